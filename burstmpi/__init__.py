@@ -1,0 +1,13 @@
+"""burstmpi: exact distributed softmax attention over MPI (BurstAttention).
+
+The sequence is split across the ranks of an MPI communicator; blocks travel around a
+ring while each rank computes its part of exact attention. See README.md.
+"""
+
+from .api import attention, attention_backward, shard, unshard
+from .plan import BurstAttention, PhaseStats, Stats
+
+__all__ = ["attention", "attention_backward", "shard", "unshard",
+           "BurstAttention", "PhaseStats", "Stats", "__version__"]
+
+__version__ = "0.1.0"

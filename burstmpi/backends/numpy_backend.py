@@ -1,0 +1,172 @@
+"""The NumPy backend: FlashAttention-2 style tiled local attention on the CPU.
+
+Array layouts (row-major, chosen so that a tile of Q rows for one KV head is one
+contiguous matrix and a GEMM covers the whole query-head group at once):
+
+    query side  q, do, dq, acc : (B, Zkv, C, g, d)     g = Z // Zkv query heads per KV head
+    row scalars D, lse, m, l   : (B, Zkv, C, g)
+    key side    k, v, dk, dv   : (B, Zkv, C, d)
+
+A tile is ``Tq`` tokens of the query side (``Tq * g`` GEMM rows, about ``tile_q``)
+against ``Tk`` tokens of the key side. No array larger than a tile is ever created
+beyond the O(C * heads * d) operands, so memory is linear in the local length.
+
+Computation runs in the accumulation dtype (float32, or float64 for float64 inputs):
+tiles of float16/bfloat16 operands are converted on the fly, since NumPy has no fast
+half-precision GEMM. The running softmax state (acc, m, l) is unnormalised and lives
+across ring steps, so each step's block merges into it inside the tile loop exactly as
+FlashAttention-2 merges one K tile into the next.
+"""
+
+import numpy as np
+
+from ..masks import EMPTY, PARTIAL, classify_tile, tile_mask
+
+__all__ = ["NumpyBackend"]
+
+
+def _tiles(pos, size):
+    """Tiles of at most ``size`` rows that never cross a jump in position spacing.
+
+    A zigzag rank holds two distant chunks; a tile straddling both would look
+    "partial" to every mask test, so tiles start afresh where the spacing changes.
+    """
+    n = len(pos)
+    cuts = [0, n]
+    if n > 2:
+        step = np.diff(pos)
+        cuts[1:1] = list(np.nonzero(step != step[0])[0] + 1)
+    return [(s, min(s + size, b)) for a, b in zip(cuts, cuts[1:]) for s in range(a, b, size)]
+
+
+def _tile_plan(qpos, kpos, tq, tk, win):
+    """Per (q tile, k tile): its class and, when partial, an additive 0/-inf bias."""
+    qt, kt = _tiles(qpos, tq), _tiles(kpos, tk)
+    plan = []
+    for r0, r1 in qt:
+        qp = qpos[r0:r1]
+        row = []
+        for c0, c1 in kt:
+            kp = kpos[c0:c1]
+            cls = classify_tile(qp.min(), qp.max(), kp.min(), kp.max(), win)
+            bias = None
+            if cls == PARTIAL:
+                bias = np.where(tile_mask(qp, kp, win), 0.0, -np.inf)
+            row.append((c0, c1, cls, bias))
+        plan.append((r0, r1, row))
+    return plan
+
+
+class NumpyBackend:
+    """Local attention kernels on host memory."""
+
+    name = "numpy"
+    xp = np
+
+    def __init__(self, tile_q=256, tile_k=512):
+        self.tile_q, self.tile_k = tile_q, tile_k
+
+    @staticmethod
+    def alloc(nbytes):
+        return np.empty(nbytes, dtype=np.uint8)
+
+    @staticmethod
+    def acc_dtype(dtype):
+        return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+    def _plan(self, g, qpos, kpos, win):
+        return _tile_plan(qpos, kpos, max(1, self.tile_q // g), self.tile_k, win)
+
+    # -- forward ----------------------------------------------------------------------
+
+    def fwd_state(self, B, Zkv, C, g, dv, acc):
+        """Zeroed running state (acc, m, l) for C query tokens."""
+        return (np.zeros((B, Zkv, C, g, dv), acc),
+                np.full((B, Zkv, C, g), -np.inf, acc),
+                np.zeros((B, Zkv, C, g), acc))
+
+    def fwd_block(self, q, k, v, state, qpos, kpos, win, scale, poll=None):
+        """Merge attention of queries ``q`` over the block (k, v) into ``state``."""
+        acc, m, l = state
+        B, Zkv, C, g, d = q.shape
+        dv = v.shape[-1]
+        cd = acc.dtype
+        for r0, r1, row in self._plan(g, qpos, kpos, win):
+            if all(cls == EMPTY for *_, cls, _ in row):
+                continue
+            n = (r1 - r0) * g
+            qt = q[:, :, r0:r1].reshape(B, Zkv, n, d).astype(cd) * cd.type(scale)
+            acc_t = acc[:, :, r0:r1].reshape(B, Zkv, n, dv)
+            m_t = m[:, :, r0:r1].reshape(B, Zkv, n)
+            l_t = l[:, :, r0:r1].reshape(B, Zkv, n)
+            for c0, c1, cls, bias in row:
+                if cls == EMPTY:
+                    continue
+                s = qt @ k[:, :, c0:c1].astype(cd, copy=False).swapaxes(-1, -2)
+                if bias is not None:
+                    s.reshape(B, Zkv, r1 - r0, g, c1 - c0)[...] += bias[:, None, :].astype(cd)
+                m_new = np.maximum(m_t, s.max(axis=-1))
+                # A row with no visible key so far keeps m = -inf; shift it by 0 instead,
+                # so exp() sees -inf - 0 = -inf (giving 0) rather than -inf - -inf = NaN.
+                m_safe = np.where(m_new == -np.inf, 0, m_new)
+                alpha = np.exp(m_t - m_safe)
+                s -= m_safe[..., None]
+                np.exp(s, out=s)
+                l_t *= alpha
+                l_t += s.sum(axis=-1)
+                acc_t *= alpha[..., None]
+                acc_t += s @ v[:, :, c0:c1].astype(cd, copy=False)
+                m_t[...] = m_new
+                if poll is not None:
+                    poll()
+
+    @staticmethod
+    def fwd_finalize(state):
+        """Return (out, lse) from the running state; rows that saw no key give 0, -inf."""
+        acc, m, l = state
+        seen = l > 0
+        out = acc / np.where(seen, l, 1)[..., None]
+        with np.errstate(divide="ignore"):
+            lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
+        return out, lse
+
+    # -- backward ---------------------------------------------------------------------
+
+    def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qpos, kpos, win, scale, poll=None):
+        """Accumulate the gradients of one (query block, key block) pair.
+
+        ``lse`` must hold +inf (not -inf) for rows that see no key, so that
+        exp(s - lse) is 0 there. ``dq`` accumulates dS @ K without the softmax scale
+        (the owner applies it once); ``dk`` and ``dv`` are complete.
+        """
+        B, Zkv, C, g, d = q.shape
+        dvd = v.shape[-1]
+        cd = dq.dtype
+        sc = cd.type(scale)
+        for r0, r1, row in self._plan(g, qpos, kpos, win):
+            if all(cls == EMPTY for *_, cls, _ in row):
+                continue
+            n = (r1 - r0) * g
+            qt = q[:, :, r0:r1].reshape(B, Zkv, n, d).astype(cd) * sc
+            dot = do[:, :, r0:r1].reshape(B, Zkv, n, dvd).astype(cd, copy=False)
+            Dt = D[:, :, r0:r1].reshape(B, Zkv, n, 1)
+            lt = lse[:, :, r0:r1].reshape(B, Zkv, n, 1)
+            dq_t = dq[:, :, r0:r1].reshape(B, Zkv, n, d)
+            for c0, c1, cls, bias in row:
+                if cls == EMPTY:
+                    continue
+                kt = k[:, :, c0:c1].astype(cd, copy=False)
+                vt = v[:, :, c0:c1].astype(cd, copy=False)
+                p = qt @ kt.swapaxes(-1, -2)
+                if bias is not None:
+                    p.reshape(B, Zkv, r1 - r0, g, c1 - c0)[...] += bias[:, None, :].astype(cd)
+                p -= lt
+                np.exp(p, out=p)
+                dv[:, :, c0:c1] += p.swapaxes(-1, -2) @ dot
+                ds = dot @ vt.swapaxes(-1, -2)
+                ds -= Dt
+                ds *= p
+                dq_t += ds @ kt
+                dk[:, :, c0:c1] += ds.swapaxes(-1, -2) @ qt
+                if poll is not None:
+                    poll()

@@ -1,0 +1,378 @@
+"""burstmpi-bench: time and check distributed attention, the way nccl-tests does for NCCL.
+
+Run it under the MPI launcher; the number of ranks is mpiexec's business:
+
+    mpiexec -n 4 burstmpi-bench                      # default sweep, 1K..4K tokens
+    mpiexec -n 4 burstmpi-bench -b 4K -e 32K -f 2 -d all -J out.json
+
+Only rank 0 prints. Every line that is not a data row starts with ``#``. Each row is
+one configuration; times are the mean over ``-n`` iterations on each rank, reduced
+over ranks by ``-a`` (default: the slowest rank, which is what the job waits for).
+
+Columns: seqlen is the global sequence length; fwd/bwd/f+b are forward, backward and
+forward+backward times in ms and TFLOP/s per rank (FLOPs by flash-attn's convention:
+forward 4 B Z N^2 d, halved when causal, backward 2.5x forward; per rank = total / P /
+time); "TF/s all" is the whole job's rate; MB/rk is what one rank sent in the forward and
+the backward (max over ranks); skip is ring steps skipped (sum over ranks); #wrong counts
+elements of out, lse and dq on sampled query rows outside the dtype's tolerance against
+float64. The job exits non-zero if any #wrong is non-zero. With --torch, rank 0 also
+runs PyTorch's scaled_dot_product_attention on the whole global problem (with all the
+threads torch takes), and ``vs torch`` is our aggregate TFLOP/s over torch's.
+"""
+
+import json
+import os
+import resource
+import socket
+import sys
+import time
+
+import click
+import numpy as np
+from mpi4py import MPI
+
+from . import __version__, reference
+from .api import shard, unshard
+from .interop import bfloat16
+from .layout import LAYOUTS
+from .plan import BurstAttention
+
+__all__ = ["main", "flops"]
+
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+# |ours - float64| > atol + rtol |float64| counts as wrong (a regression check, not a
+# precision study: the test suite holds the tight flash-attn style bounds).
+TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-4, 1e-4),
+             "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2)}
+REDUCE = {0: ("rank 0", lambda v: v[0]), 1: ("average", np.mean), 2: ("minimum", np.min),
+          3: ("maximum", np.max)}
+CHECK_ROWS = 64
+
+# (key, header, units, width, format); the JSON rows carry the same keys.
+COLUMNS = [
+    ("seqlen", "seqlen", "(tok)", 8, "d"), ("heads", "heads", "", 5, "d"),
+    ("kv_heads", "kvh", "", 4, "d"), ("head_dim", "hdim", "", 4, "d"),
+    ("dtype", "dtype", "", 8, "s"), ("causal", "causal", "", 6, "d"),
+    ("layout", "layout", "", 10, "s"), ("bwd_mode", "bwd", "", 5, "s"),
+    ("fwd_ms", "fwd", "(ms)", 9, ".1f"), ("fwd_tflops", "fwd", "(TF/s)", 7, ".3f"),
+    ("bwd_ms", "bwd", "(ms)", 9, ".1f"), ("bwd_tflops", "bwd", "(TF/s)", 7, ".3f"),
+    ("fwdbwd_ms", "f+b", "(ms)", 9, ".1f"), ("fwdbwd_tflops", "f+b", "(TF/s)", 7, ".3f"),
+    ("fwdbwd_tflops_all", "TF/s", "all", 7, ".3f"),
+    ("fwd_mb_sent", "fwd", "MB/rk", 8, ".1f"), ("bwd_mb_sent", "bwd", "MB/rk", 8, ".1f"),
+    ("steps_skipped", "skip", "steps", 5, "d"), ("peak_mb", "peak", "MB/rk", 7, ".0f"),
+    ("wrong", "#wrong", "", 6, "d"),
+]
+TORCH_COLUMNS = [
+    ("torch_fwd_tflops", "torch", "fwd TF/s", 8, ".3f"),
+    ("torch_fwdbwd_tflops", "torch", "f+b TF/s", 8, ".3f"),
+    ("vs_torch_fwd", "vs", "torch fwd", 9, ".2f"), ("vs_torch_fwdbwd", "vs", "torch f+b", 9, ".2f"),
+]
+
+
+def flops(batch, seqlen, heads, head_dim, causal, phase="fwd"):
+    """Attention FLOPs by flash-attn's convention (backward = 2.5 x forward)."""
+    f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    return {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}[phase]
+
+
+def parse_size(ctx, param, value):
+    """'4K' -> 4096, '1M' -> 1048576, '1000' -> 1000."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    try:
+        n = int(text[:-1] if mult > 1 else text) * mult
+    except ValueError:
+        raise click.BadParameter(f"expected a length like 4096, 4K or 1M, got {value!r}")
+    if n < 1:
+        raise click.BadParameter(f"expected a positive length, got {value!r}")
+    return n
+
+
+def parse_window(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        left, right = (int(x) for x in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected LEFT,RIGHT (e.g. 256,0), got {value!r}")
+    return (left, right)
+
+
+def _choices(value, allowed):
+    return list(allowed) if value == "all" else [value]
+
+
+def _blas_threads(comm):
+    """Cap BLAS threads so the ranks on one node do not oversubscribe its cores.
+
+    OpenBLAS starts one thread per core in every rank; four ranks on four cores would
+    then run sixteen threads and go several times slower. Returns a threadpoolctl
+    limiter (keep it alive for the run) and a line for the preamble.
+    """
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_here = local.Get_size()
+    local.Free()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, cores // ranks_here)
+    now = max([p.get("num_threads", 1) for p in threadpool_info() if p.get("user_api") == "blas"],
+              default=1)
+    limiter = threadpool_limits(limits=share, user_api="blas") if now > share else None
+    return limiter, (f"#  BLAS threads per rank: {min(now, share)} ({cores} cores, "
+                     f"{ranks_here} ranks on rank 0's node)")
+
+
+def _say(comm, *lines):
+    if comm.Get_rank() == 0:
+        for line in lines:
+            click.echo(line)
+        sys.stdout.flush()
+
+
+def _seqlens(minseq, maxseq, factor):
+    out, n = [], minseq
+    while n <= maxseq:
+        out.append(n)
+        if factor <= 1:
+            break
+        n *= factor
+    return out
+
+
+def _np_dtype(name):
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
+
+
+def _time(comm, fn):
+    comm.Barrier()
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+def _count_wrong(comm, cfg, local, out, lse, dq, window, layout_obj_positions):
+    """Elements of out, lse, dq on sampled rows that miss float64 (summed over ranks)."""
+    q, k, v, do = local
+    kg, vg = unshard(k, layout=cfg["layout"]), unshard(v, layout=cfg["layout"])
+    N = cfg["seqlen"]
+    sample = np.unique(np.linspace(0, N - 1, min(CHECK_ROWS, N)).astype(np.int64))
+    pos = layout_obj_positions
+    mine = np.nonzero(np.isin(pos, sample))[0]
+    wrong = 0
+    if mine.size:
+        o_ref, l_ref, dq_ref = reference.rows(q[:, mine], kg, vg, do[:, mine], pos[mine],
+                                              causal=bool(cfg["causal"]), window=window)
+        atol, rtol = TOLERANCE[cfg["dtype"]]
+        for ours, ref in ((out[:, mine], o_ref), (lse[:, :, mine], l_ref), (dq[:, mine], dq_ref)):
+            ours = np.asarray(ours, dtype=np.float64)
+            bad = ~(np.abs(ours - ref) <= atol + rtol * np.abs(ref))  # NaN counts as wrong
+            wrong += int(bad.sum())
+    return comm.allreduce(wrong, op=MPI.SUM)
+
+
+def _torch_times(comm, cfg, local, iters):
+    """Rank 0 times torch SDPA on the whole global problem; returns (fwd_s, fwdbwd_s)."""
+    glob = [unshard(x, layout=cfg["layout"]) for x in local]
+    result = (float("nan"), float("nan"))
+    if comm.Get_rank() == 0:
+        import torch
+        import torch.nn.functional as F
+
+        tdt = getattr(torch, cfg["dtype"])
+
+        def t(x):
+            a = x.view(np.int16) if cfg["dtype"] == "bfloat16" else x
+            tt = torch.from_numpy(np.ascontiguousarray(a))
+            return (tt.view(torch.bfloat16) if cfg["dtype"] == "bfloat16" else tt).transpose(1, 2).to(tdt)
+
+        q, k, v, do = (t(x) for x in glob)
+        gqa = dict(enable_gqa=True) if cfg["kv_heads"] != cfg["heads"] else {}
+        causal = bool(cfg["causal"])
+
+        def fwd():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+        def fwdbwd():
+            F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, **gqa).backward(do)
+
+        fwd(), fwdbwd()
+        tf = min(_wall(fwd) for _ in range(iters))
+        tfb = min(_wall(fwdbwd) for _ in range(iters))
+        result = (tf, tfb)
+    comm.Barrier()
+    return result
+
+
+def _wall(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed):
+    """Benchmark one configuration; return its row (identical on every rank)."""
+    P, rank = comm.Get_size(), comm.Get_rank()
+    B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    C = N // P
+    rng = np.random.default_rng([seed, rank, N])
+    dt = _np_dtype(cfg["dtype"])
+    shapes = [(B, C, Z, d), (B, C, Zkv, d), (B, C, Zkv, d), (B, C, Z, d)]
+    local = [rng.standard_normal(s, dtype=np.float32).astype(dt) for s in shapes]
+    q, k, v, do = local
+    plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
+                          bwd_comm=cfg["bwd_comm"])
+    tf, tb = [], []
+    for i in range(warmup + iters):
+        a, (out, lse) = _time(comm, lambda: plan.forward(q, k, v))
+        b, grads = _time(comm, lambda: plan.backward(do, q, k, v, out, lse))
+        if i >= warmup:
+            tf.append(a)
+            tb.append(b)
+    st = plan.last_stats
+    name, red = REDUCE[reduce]
+    all_f = comm.allgather(float(np.mean(tf)))
+    all_b = comm.allgather(float(np.mean(tb)))
+    tf_s, tb_s = float(red(all_f)), float(red(all_b))
+    fb_s = float(red([a + b for a, b in zip(all_f, all_b)]))
+    row = dict(cfg)
+    row.pop("bwd_comm")
+    row.update(
+        bwd_mode=st.bwd_mode, ranks=P,
+        fwd_ms=1e3 * tf_s, bwd_ms=1e3 * tb_s, fwdbwd_ms=1e3 * fb_s,
+        fwd_tflops=flops(B, N, Z, d, cfg["causal"], "fwd") / P / tf_s / 1e12,
+        bwd_tflops=flops(B, N, Z, d, cfg["causal"], "bwd") / P / tb_s / 1e12,
+        fwdbwd_tflops=flops(B, N, Z, d, cfg["causal"], "fwdbwd") / P / fb_s / 1e12,
+        fwd_mb_sent=comm.allreduce(st.forward.bytes_sent, op=MPI.MAX) / 1e6,
+        bwd_mb_sent=comm.allreduce(st.backward.bytes_sent, op=MPI.MAX) / 1e6,
+        steps_skipped=comm.allreduce(st.forward.steps_skipped, op=MPI.SUM),
+        fwd_wait_ms=1e3 * comm.allreduce(st.forward.wait_s, op=MPI.MAX),
+        bwd_wait_ms=1e3 * comm.allreduce(st.backward.wait_s, op=MPI.MAX),
+        peak_mb=comm.allreduce(_peak_mb(), op=MPI.MAX),
+        wrong=-1,
+    )
+    row["fwdbwd_tflops_all"] = row["fwdbwd_tflops"] * P
+    if check:
+        positions = plan.layout.positions(rank)
+        row["wrong"] = _count_wrong(comm, row, local, out, lse, grads[0], window, positions)
+    if use_torch:
+        t_f, t_fb = _torch_times(comm, row, local, iters)
+        t_f, t_fb = comm.bcast((t_f, t_fb), root=0)
+        row["torch_fwd_tflops"] = flops(B, N, Z, d, cfg["causal"], "fwd") / t_f / 1e12
+        row["torch_fwdbwd_tflops"] = flops(B, N, Z, d, cfg["causal"], "fwdbwd") / t_fb / 1e12
+        row["vs_torch_fwd"] = row["fwd_tflops"] * P / row["torch_fwd_tflops"]
+        row["vs_torch_fwdbwd"] = row["fwdbwd_tflops_all"] / row["torch_fwdbwd_tflops"]
+    return row
+
+
+def _format(columns, row):
+    cells = []
+    for key, _, _, width, fmt in columns:
+        value = row.get(key)
+        if isinstance(value, bool):
+            value = int(value)
+        cells.append(f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}")
+    return "  " + " ".join(cells)
+
+
+def _header(columns):
+    first = " ".join(f"{h:>{w}}" for _, h, _, w, _ in columns)
+    second = " ".join(f"{u:>{w}}" for _, _, u, w, _ in columns)
+    return ["#" + " " + first[1:], "#" + " " + second[1:]]
+
+
+@click.command(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.option("-b", "--minseq", default="1K", callback=parse_size, show_default=True,
+              help="Smallest global sequence length (K/M suffixes).")
+@click.option("-e", "--maxseq", default="4K", callback=parse_size, show_default=True,
+              help="Largest global sequence length.")
+@click.option("-f", "--stepfactor", default=2, show_default=True, help="Multiply the length by this each step.")
+@click.option("-n", "--iters", default=3, show_default=True, help="Timed iterations per configuration.")
+@click.option("-w", "--warmup", default=1, show_default=True, help="Untimed iterations first.")
+@click.option("-c", "--check", default=1, show_default=True, type=click.IntRange(0, 1),
+              help="Check sampled rows against float64 (the #wrong column).")
+@click.option("-d", "--dtype", default="float32", show_default=True, type=click.Choice(DTYPES + ["all"]))
+@click.option("-a", "--average", "reduce", default=3, show_default=True, type=click.IntRange(0, 3),
+              help="Reduce times over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum.")
+@click.option("-J", "--json", "json_path", default=None, help="Also write the rows to this JSON file.")
+@click.option("-B", "--batch", default=1, show_default=True)
+@click.option("-H", "--heads", default=8, show_default=True, help="Query heads.")
+@click.option("-K", "--kv-heads", default=None, type=int, help="Key/value heads (default: --heads).")
+@click.option("-D", "--head-dim", default=128, show_default=True)
+@click.option("-m", "--mask", default="both", show_default=True, type=click.Choice(["none", "causal", "both"]))
+@click.option("-l", "--layout", default="zigzag", show_default=True, type=click.Choice(list(LAYOUTS) + ["all"]))
+@click.option("--window", default=None, callback=parse_window, help="Sliding window LEFT,RIGHT (-1 = unbounded).")
+@click.option("--bwd", "bwd_comm", default="auto", show_default=True,
+              type=click.Choice(["auto", "burst", "ring", "all"]), help="Backward communication mode.")
+@click.option("--torch/--no-torch", "use_torch", default=False, show_default=True,
+              help="Also time PyTorch scaled_dot_product_attention on the global problem (rank 0).")
+@click.option("--seed", default=0, show_default=True)
+def main(minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_path, batch, heads,
+         kv_heads, head_dim, mask, layout, window, bwd_comm, use_torch, seed):
+    """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
+    comm = MPI.COMM_WORLD
+    P = comm.Get_size()
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise click.BadParameter(f"--kv-heads must divide --heads ({heads}), got {kv_heads}")
+    if use_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--torch needs PyTorch (pip install torch)")
+    causals = {"none": [False], "causal": [True], "both": [False, True]}[mask]
+    configs = [dict(seqlen=n, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=dt, causal=int(c), layout=lay, bwd_comm=bw)
+               for n in _seqlens(minseq, maxseq, stepfactor)
+               for dt in _choices(dtype, DTYPES)
+               for c in causals
+               for lay in _choices(layout, LAYOUTS)
+               for bw in _choices(bwd_comm, ["auto", "burst", "ring"])]
+    parts = {cfg["seqlen"] % (2 * P if cfg["layout"] == "zigzag" else P) for cfg in configs}
+    if parts != {0}:
+        raise click.BadParameter(f"every sequence length must split into equal chunks over {P} ranks "
+                                 f"(2 x {P} for zigzag)")
+    params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=iters, warmup=warmup,
+                  check=check, dtype=dtype, average=REDUCE[reduce][0], batch=batch, heads=heads,
+                  kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
+                  window=window, bwd=bwd_comm, torch=use_torch, seed=seed)
+    who = comm.gather((socket.gethostname(), os.getpid()), root=0)
+    limiter, threads_line = _blas_threads(comm)  # noqa: F841 (kept alive for the run)
+    _say(comm, f"# burstmpi-bench {__version__}: backend numpy, transport mpi, {P} rank(s), "
+               f"{MPI.Get_library_version().splitlines()[0].strip()}",
+         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
+         threads_line,
+         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device cpu (numpy)" for r, (host, pid) in enumerate(who)]
+           if who else []),
+         "#")
+    columns = COLUMNS + (TORCH_COLUMNS if use_torch else [])
+    _say(comm, *_header(columns))
+    rows = []
+    for cfg in configs:
+        row = run_config(comm, cfg, iters=iters, warmup=warmup, check=check, reduce=reduce,
+                         window=window, use_torch=use_torch, seed=seed)
+        rows.append(row)
+        _say(comm, _format(columns, row))
+    wrong = sum(max(r["wrong"], 0) for r in rows)
+    avg = float(np.mean([r["fwdbwd_tflops"] for r in rows]))
+    _say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+               + ("" if check else " (not checked: -c 0)"),
+         f"# Avg TFLOP/s per rank (fwd+bwd) : {avg:.4f}",
+         f"# Max peak memory per rank (MB) : {max(r['peak_mb'] for r in rows):.0f}")
+    if json_path and comm.Get_rank() == 0:
+        with open(json_path, "w") as fh:
+            json.dump({"version": __version__, "ranks": P, "params": params, "rows": rows}, fh, indent=1)
+    sys.exit(1 if wrong else 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

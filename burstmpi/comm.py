@@ -1,0 +1,184 @@
+"""Ring communication: a private communicator, the MPI transport, and double-buffered channels.
+
+A ``Channel`` owns two copies of one packet (several named tensors packed into one
+contiguous buffer, so a ring step is a single message) and has an explicit
+post / wait API:
+
+    chan.post(send=True, recv=True)   # Isend(current -> next), Irecv(prev -> spare)
+    ... compute on chan.current ...   # call chan.progress() now and then
+    chan.wait()                       # both done; spare becomes current
+
+A ``PartialChannel`` carries a gradient partial one step behind its packet: it is
+received into one buffer and sent from two alternating ones, so the send of step t may
+still be in flight while step t+1 fills the other.
+
+Misuse (posting twice, waiting with nothing posted) raises instead of corrupting data.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["private_comm", "MPITransport", "Channel", "PartialChannel"]
+
+_KEYVAL = None
+
+
+def private_comm(comm):
+    """Return burstmpi's duplicate of ``comm``, created once and cached on it.
+
+    Library traffic on a duplicate can never match the caller's own messages. The
+    duplicate is cached as an MPI attribute of the caller's communicator (the standard
+    way for a library to keep per-communicator state), so it lives exactly as long as
+    that communicator. Collective on the first call for a communicator.
+    """
+    global _KEYVAL
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval()
+    dup = comm.Get_attr(_KEYVAL)
+    if dup is None:
+        dup = comm.Dup()
+        comm.Set_attr(_KEYVAL, dup)
+    return dup
+
+
+class MPITransport:
+    """Point-to-point transfers of host buffers over an mpi4py communicator."""
+
+    name = "mpi"
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def isend(self, buf, dest, tag):
+        return self.comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag)
+
+    def irecv(self, buf, source, tag):
+        return self.comm.Irecv([buf, MPI.BYTE], source=source, tag=tag)
+
+    @staticmethod
+    def wait(requests):
+        MPI.Request.Waitall(requests)
+
+    @staticmethod
+    def test(requests):
+        # Without an asynchronous progress thread MPI moves a large message only inside
+        # MPI calls, so the compute loop pokes it between tiles to keep the overlap real.
+        return MPI.Request.Testall(requests)
+
+
+def _packet(fields, alloc):
+    """One contiguous byte buffer holding every field, plus a view per field."""
+    # Largest itemsize first keeps every field aligned to its own itemsize.
+    order = sorted(fields, key=lambda f: -np.dtype(f[2]).itemsize)
+    sizes = [int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in order]
+    raw = alloc(sum(sizes))
+    views, off = {}, 0
+    for (name, shape, dt), n in zip(order, sizes):
+        views[name] = raw[off:off + n].view(dt).reshape(shape)
+        off += n
+    return raw, views
+
+
+class Channel:
+    """Two copies of one packet circulating around the ring."""
+
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc):
+        self.transport = transport
+        self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
+        self._bufs = [_packet(fields, alloc), _packet(fields, alloc)]
+        self.nbytes = self._bufs[0][0].nbytes
+        self._cur = 0
+        self._pending = None
+        self.bytes_sent = self.bytes_recv = 0
+
+    @property
+    def current(self):
+        """The views of the packet the ring step computes on."""
+        return self._bufs[self._cur][1]
+
+    def post(self, *, send, recv):
+        """Post the send of the current packet and the receive into the spare one."""
+        if self._pending is not None:
+            raise RuntimeError("Channel.post: the previous transfer has not been waited for")
+        reqs = []
+        if send:
+            reqs.append(self.transport.isend(self._bufs[self._cur][0], self.send_to, self.tag))
+            self.bytes_sent += self.nbytes
+        if recv:
+            reqs.append(self.transport.irecv(self._bufs[1 - self._cur][0], self.recv_from, self.tag))
+            self.bytes_recv += self.nbytes
+        self._pending = (reqs, recv)
+
+    def progress(self):
+        if self._pending and self._pending[0]:
+            self.transport.test(self._pending[0])
+
+    def wait(self):
+        """Wait for the posted transfers; a received packet becomes current."""
+        if self._pending is None:
+            raise RuntimeError("Channel.wait: nothing was posted")
+        reqs, received = self._pending
+        self._pending = None
+        if reqs:
+            self.transport.wait(reqs)
+        if received:
+            self._cur = 1 - self._cur
+
+
+class PartialChannel:
+    """A gradient partial travelling one ring step behind its packet."""
+
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc):
+        self.transport = transport
+        self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
+        self._recv = _packet(fields, alloc)
+        self._send = [_packet(fields, alloc), _packet(fields, alloc)]
+        self._send_reqs = [None, None]
+        self._next = 0
+        self._recv_req = None
+        self.nbytes = self._recv[0].nbytes
+        self.bytes_sent = self.bytes_recv = 0
+
+    def post_recv(self, source=None):
+        if self._recv_req is not None:
+            raise RuntimeError("PartialChannel.post_recv: the previous receive is still pending")
+        src = self.recv_from if source is None else source
+        self._recv_req = self.transport.irecv(self._recv[0], src, self.tag)
+        self.bytes_recv += self.nbytes
+
+    def received(self):
+        """Wait for the posted receive and return its views."""
+        if self._recv_req is None:
+            raise RuntimeError("PartialChannel.received: no receive was posted")
+        self.transport.wait([self._recv_req])
+        self._recv_req = None
+        return self._recv[1]
+
+    def send_buffer(self):
+        """Return zeroed views of the next send buffer (waiting for its last send)."""
+        i = self._next
+        if self._send_reqs[i] is not None:
+            self.transport.wait([self._send_reqs[i]])
+            self._send_reqs[i] = None
+        raw, views = self._send[i]
+        raw.fill(0)
+        return views
+
+    def post_send(self):
+        """Send the buffer last returned by ``send_buffer``."""
+        i = self._next
+        self._send_reqs[i] = self.transport.isend(self._send[i][0], self.send_to, self.tag)
+        self.bytes_sent += self.nbytes
+        self._next = 1 - i
+
+    def progress(self):
+        reqs = [r for r in (*self._send_reqs, self._recv_req) if r is not None]
+        if reqs:
+            self.transport.test(reqs)
+
+    def drain(self):
+        """Complete every outstanding send (at the end of a phase)."""
+        reqs = [r for r in self._send_reqs if r is not None]
+        if reqs:
+            self.transport.wait(reqs)
+        self._send_reqs = [None, None]

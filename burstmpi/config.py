@@ -1,0 +1,55 @@
+"""Settings read from the environment: the one place that reads ``BURSTMPI_*``.
+
+Every knob has a keyword argument as well; the environment only supplies defaults,
+so a cluster admin can tune a job without touching the code that calls burstmpi.
+
+======================  ==========  ===================================================
+variable                default     meaning
+======================  ==========  ===================================================
+BURSTMPI_BACKEND        auto        ``numpy`` (CPU) or ``cuda``; ``auto`` follows the
+                                    arrays' device
+BURSTMPI_TILE_Q         256         rows of Q per local tile (NumPy backend)
+BURSTMPI_TILE_K         512         rows of K/V per local tile (NumPy backend)
+BURSTMPI_CHECK          1           ``0`` skips the per-call agreement collective
+                                    (saves one tiny allreduce; mismatches then hang)
+======================  ==========  ===================================================
+"""
+
+import os
+
+__all__ = ["Settings", "settings"]
+
+
+def _int(name, default, minimum=1):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: expected an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"environment variable {name}: expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def _choice(name, default, choices):
+    raw = os.environ.get(name, "") or default
+    if raw not in choices:
+        raise ValueError(f"environment variable {name}: expected one of {sorted(choices)}, got {raw!r}")
+    return raw
+
+
+class Settings:
+    """A snapshot of the ``BURSTMPI_*`` environment, taken when it is created."""
+
+    def __init__(self):
+        self.backend = _choice("BURSTMPI_BACKEND", "auto", {"auto", "numpy", "cuda"})
+        self.tile_q = _int("BURSTMPI_TILE_Q", 256)
+        self.tile_k = _int("BURSTMPI_TILE_K", 512)
+        self.check = _int("BURSTMPI_CHECK", 1, minimum=0) != 0
+
+
+def settings():
+    """Return the current settings (read afresh, so tests may change the environment)."""
+    return Settings()

@@ -1,0 +1,128 @@
+"""Dense attention on the global sequence: the test oracle and the bench's check.
+
+Quadratic in memory: for tests and for checking a sample of rows, never for real work.
+``precision="float64"`` is the exact reference. ``precision="plain"`` is what a plain
+implementation in the input dtype gets (scores, probabilities and outputs rounded to
+that dtype, products accumulated in float32, as a GPU GEMM does): flash-attn's test rule
+allows our error against float64 to be about twice that one's.
+"""
+
+import numpy as np
+
+from .interop import bfloat16
+from .masks import Window
+
+__all__ = ["visible", "forward", "backward", "rows", "random_problem"]
+
+
+def visible(qpos, kpos, causal=False, window=None):
+    """Boolean (len(qpos), len(kpos)) mask of the keys each query sees."""
+    w = Window(causal, window)
+    d = np.asarray(kpos)[None, :] - np.asarray(qpos)[:, None]
+    return (d >= -w.lo) & (d <= w.hi)
+
+
+def _rounder(dtype, precision):
+    if precision == "float64":
+        return np.float64, (lambda x: x)
+    dt = np.dtype(dtype)
+    if dt == np.float64:
+        return np.float64, (lambda x: x)
+    if dt == np.float32:
+        return np.float32, (lambda x: x.astype(np.float32))
+    return np.float32, (lambda x: x.astype(dt).astype(np.float32))
+
+
+def _expand(x, heads):
+    """(B, N, Zkv, d) -> (B, Zkv*g, N, d) with each KV head serving its query heads."""
+    g = heads // x.shape[2]
+    return np.repeat(x, g, axis=2).transpose(0, 2, 1, 3)
+
+
+def forward(q, k, v, *, causal=False, window=None, softmax_scale=None, precision="float64",
+            q_rows=None):
+    """Return (out, lse) for global q (B, N, Z, d), k, v (B, N, Zkv, d|dv).
+
+    ``q_rows`` restricts the queries to those global positions (for spot checks).
+    """
+    B, N, Z, d = q.shape
+    ct, rnd = _rounder(q.dtype, precision)
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    rows = np.arange(N) if q_rows is None else np.asarray(q_rows)
+    qh = np.asarray(q[:, rows], dtype=ct).transpose(0, 2, 1, 3)
+    kh, vh = _expand(np.asarray(k, dtype=ct), Z), _expand(np.asarray(v, dtype=ct), Z)
+    s = rnd((qh @ kh.swapaxes(-1, -2)) * ct(scale))
+    mask = visible(rows, np.arange(N), causal, window)
+    s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    seen = l > 0
+    p = rnd(p / np.where(seen, l, 1))
+    out = rnd(p @ vh)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)[..., 0]
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def backward(dout, q, k, v, *, causal=False, window=None, softmax_scale=None, precision="float64"):
+    """Return (dq, dk, dv) of dense attention for global arrays."""
+    B, N, Z, d = q.shape
+    Zkv = k.shape[2]
+    ct, rnd = _rounder(q.dtype, precision)
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    qh = np.asarray(q, dtype=ct).transpose(0, 2, 1, 3)
+    kh, vh = _expand(np.asarray(k, dtype=ct), Z), _expand(np.asarray(v, dtype=ct), Z)
+    doh = np.asarray(dout, dtype=ct).transpose(0, 2, 1, 3)
+    s = (qh @ kh.swapaxes(-1, -2)) * ct(scale)
+    s = np.where(visible(np.arange(N), np.arange(N), causal, window), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    l = p.sum(axis=-1, keepdims=True)
+    p = rnd(p / np.where(l > 0, l, 1))
+    o = rnd(p @ vh)
+    dv = rnd(p.swapaxes(-1, -2) @ doh)
+    dp = rnd(doh @ vh.swapaxes(-1, -2))
+    ds = rnd(p * (dp - (doh * o).sum(axis=-1, keepdims=True)))
+    dq = rnd((ds @ kh) * ct(scale))
+    dk = rnd((ds.swapaxes(-1, -2) @ qh) * ct(scale))
+
+    def fold(x):  # sum query-head gradients back onto their KV head
+        return x.reshape(B, Zkv, Z // Zkv, N, -1).sum(axis=2).transpose(0, 2, 1, 3)
+
+    return dq.transpose(0, 2, 1, 3), fold(dk), fold(dv)
+
+
+def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softmax_scale=None):
+    """Float64 (out, lse, dq) of a few query rows at global ``positions`` of the sequence.
+
+    ``q_rows``/``dout_rows`` are (B, R, Z, d|dv) for those rows only; ``k``, ``v`` are
+    global. Costs O(R * N) memory, so the bench can check any length.
+    """
+    B, R, Z, d = q_rows.shape
+    N = k.shape[1]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    qh = np.asarray(q_rows, dtype=np.float64).transpose(0, 2, 1, 3)
+    doh = np.asarray(dout_rows, dtype=np.float64).transpose(0, 2, 1, 3)
+    kh, vh = _expand(np.asarray(k, dtype=np.float64), Z), _expand(np.asarray(v, dtype=np.float64), Z)
+    s = (qh @ kh.swapaxes(-1, -2)) * scale
+    s = np.where(visible(positions, np.arange(N), causal, window), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p /= l
+    o = p @ vh
+    dp = doh @ vh.swapaxes(-1, -2)
+    ds = p * (dp - (doh * o).sum(axis=-1, keepdims=True))
+    dq = (ds @ kh) * scale
+    return o.transpose(0, 2, 1, 3), (m + np.log(l))[..., 0], dq.transpose(0, 2, 1, 3)
+
+
+def random_problem(B, N, Z, Zkv, d, dv=None, dtype=np.float32, seed=0):
+    """Random global (q, k, v, dout) of ``dtype`` (a NumPy dtype or "bfloat16")."""
+    rng = np.random.default_rng(seed)
+    dt = bfloat16 if dtype in ("bfloat16", bfloat16) else np.dtype(dtype)
+    dv = d if dv is None else dv
+    shapes = [(B, N, Z, d), (B, N, Zkv, d), (B, N, Zkv, dv), (B, N, Z, dv)]
+    return tuple(rng.standard_normal(s).astype(dt) for s in shapes)

@@ -1,0 +1,184 @@
+"""The BurstAttention ring, written once for every backend.
+
+Forward (GAO): Q stays, K/V circulate; each step merges its block into the running
+(acc, m, l) state inside the backend's tile loop.
+
+Backward: D = rowsum(dO * O) is computed once, locally. Then either
+  "burst": Q, dO, D, lse circulate with the dQ partial one step behind; K, V, dK, dV
+           stay home. Moves (2e + 4) B C Z d + 8 B C Z bytes a step.
+  "ring":  K, V circulate with the dK, dV partials; Q, dO, D, lse, dQ stay home.
+           Moves (2e + 8) B C Zkv d bytes a step.
+Both use the same local block kernel, only the roles of "home" and "travelling"
+operands swap. Every gradient is accumulated in the accumulation dtype (fp32, or fp64)
+on every hop: the error then does not grow with the number of ranks.
+
+Each step posts the next transfer before computing on the current buffers (double
+buffering), and the kernels poll the transport between tiles so that MPI keeps moving
+the message while NumPy computes.
+"""
+
+import time
+
+import numpy as np
+
+from .comm import Channel, PartialChannel
+
+__all__ = ["forward", "backward", "packet_fields", "nbytes", "bytes_per_step"]
+
+TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
+
+
+def nbytes(fields):
+    """Payload bytes of a list of (name, shape, dtype) fields."""
+    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in fields)
+
+
+def packet_fields(mode, dims, dtype, acc):
+    """The packet and partial fields of a phase, in the working layouts of the backend."""
+    B, C, Z, Zkv, d, dv = dims
+    g = Z // Zkv
+    kv = [("k", (B, Zkv, C, d), dtype), ("v", (B, Zkv, C, dv), dtype)]
+    if mode == "forward":
+        return kv, []
+    if mode == "burst":
+        return ([("q", (B, Zkv, C, g, d), dtype), ("do", (B, Zkv, C, g, dv), dtype),
+                 ("D", (B, Zkv, C, g), acc), ("lse", (B, Zkv, C, g), acc)],
+                [("dq", (B, Zkv, C, g, d), acc)])
+    return kv, [("dk", (B, Zkv, C, d), acc), ("dv", (B, Zkv, C, dv), acc)]
+
+
+def bytes_per_step(mode, dims, dtype, acc):
+    """Bytes one rank sends in one full ring step of ``mode`` (packet + partial)."""
+    packet, partial = packet_fields(mode, dims, dtype, acc)
+    return nbytes(packet) + nbytes(partial)
+
+
+class _Timer:
+    """Splits a phase's wall time into compute and waiting on transfers."""
+
+    def __init__(self):
+        self.compute = self.wait = 0.0
+
+    def run(self, attr, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        setattr(self, attr, getattr(self, attr) + time.perf_counter() - t0)
+        return out
+
+
+def _rows(x, Zkv):
+    """(B, C, Z, d) -> (B, Zkv, C, g, d) view: query heads grouped under their KV head."""
+    B, C, Z, d = x.shape
+    return x.reshape(B, C, Zkv, Z // Zkv, d).transpose(0, 2, 1, 3, 4)
+
+
+def _from_rows(xp, x, dtype):
+    """(B, Zkv, C, g, d) -> a new C-contiguous (B, C, Z, d) array of ``dtype``."""
+    B, Zkv, C, g, d = x.shape
+    out = xp.empty((B, C, Zkv, g, d), dtype=dtype)
+    out[...] = x.transpose(0, 2, 1, 3, 4)
+    return out.reshape(B, C, Zkv * g, d)
+
+
+def _from_kv(xp, x, dtype):
+    """(B, Zkv, C, d) -> a new C-contiguous (B, C, Zkv, d) array of ``dtype``."""
+    out = xp.empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), dtype=dtype)
+    out[...] = x.transpose(0, 2, 1, 3)
+    return out
+
+
+def forward(plan, q, k, v, dims):
+    """Return (out, lse, stats) for this rank's q, k, v."""
+    be, xp = plan.backend, plan.backend.xp
+    B, C, Z, Zkv, d, dv = dims
+    acc = be.acc_dtype(q.dtype)
+    packet, _ = packet_fields("forward", dims, q.dtype, acc)
+    sched = plan.schedule("forward", nbytes(packet), 0)
+    chan = plan.channel("forward", Channel, packet, sched.direction, TAG_FWD)
+    timer, t_start = _Timer(), time.perf_counter()
+
+    cur = chan.current
+    cur["k"][...] = k.transpose(0, 2, 1, 3)
+    cur["v"][...] = v.transpose(0, 2, 1, 3)
+    q_rows = _rows(q, Zkv)
+    state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
+    qpos = plan.layout.positions(plan.rank)
+    for t in range(plan.nranks):
+        more = t < plan.nranks - 1
+        if more:
+            chan.post(send=sched.send[t], recv=sched.recv[t])
+        if sched.compute[t]:
+            cur = chan.current
+            timer.run("compute", be.fwd_block, q_rows, cur["k"], cur["v"], state, qpos,
+                      plan.layout.positions(sched.owners[t]), plan.window, plan.scale,
+                      poll=chan.progress)
+        if more:
+            timer.run("wait", chan.wait)
+    out_rows, lse_rows = be.fwd_finalize(state)
+    out = _from_rows(xp, out_rows, q.dtype)
+    lse = xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
+    return out, lse, plan.phase_stats(sched, chan, None, timer, t_start)
+
+
+def backward(plan, mode, dout, q, k, v, out, lse, dims):
+    """Return (dq, dk, dv, stats) in ``mode`` ("burst" or "ring")."""
+    be, xp = plan.backend, plan.backend.xp
+    B, C, Z, Zkv, d, dv = dims
+    g = Z // Zkv
+    acc = be.acc_dtype(q.dtype)
+    packet, partial = packet_fields(mode, dims, q.dtype, acc)
+    sched = plan.schedule(mode, nbytes(packet), nbytes(partial))
+    chan = plan.channel(mode, Channel, packet, sched.direction, TAG_BWD)
+    part = plan.channel(mode + "-partial", PartialChannel, partial, sched.direction, TAG_PARTIAL)
+    timer, t_start = _Timer(), time.perf_counter()
+
+    # D = rowsum(dO * O), once and locally, so O itself never travels.
+    D = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)           # (B, C, Z)
+    D = D.reshape(B, C, Zkv, g).transpose(0, 2, 1, 3)                 # (B, Zkv, C, g)
+    lse_rows = lse.astype(acc).reshape(B, Zkv, g, C).transpose(0, 1, 3, 2)
+    # Rows that saw no key have lse = -inf; +inf makes exp(s - lse) exactly 0 there.
+    lse_rows = xp.where(lse_rows == -np.inf, np.inf, lse_rows)
+    home_q = {"q": _rows(q, Zkv), "do": _rows(dout, Zkv), "D": D, "lse": lse_rows}
+    home_k = {"k": k.transpose(0, 2, 1, 3), "v": v.transpose(0, 2, 1, 3)}
+    grads = {"dq": xp.zeros((B, Zkv, C, g, d), acc), "dk": xp.zeros((B, Zkv, C, d), acc),
+             "dv": xp.zeros((B, Zkv, C, dv), acc)}
+    travelling = home_q if mode == "burst" else home_k
+    for name, view in chan.current.items():
+        view[...] = travelling[name]
+
+    here = plan.layout.positions(plan.rank)
+    for t in range(plan.nranks):
+        more = t < plan.nranks - 1
+        if more:
+            chan.post(send=sched.send[t], recv=sched.recv[t])
+        if sched.partial_recv[t]:
+            part.post_recv()
+        there = plan.layout.positions(sched.owners[t])
+        qs, ks = (chan.current, home_k) if mode == "burst" else (home_q, chan.current)
+        qpos, kpos = (there, here) if mode == "burst" else (here, there)
+        target = dict(grads)
+        if t > 0 and sched.partial_send[t]:
+            target.update(part.send_buffer())
+        if sched.compute[t]:
+            timer.run("compute", be.bwd_block, qs["q"], qs["do"], qs["D"], qs["lse"],
+                      ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
+                      qpos, kpos, plan.window, plan.scale,
+                      poll=lambda: (chan.progress(), part.progress()))
+        if t > 0 and sched.partial_send[t]:
+            if sched.partial_recv[t]:
+                for name, view in timer.run("wait", part.received).items():
+                    target[name] += view
+            part.post_send()
+        if more:
+            timer.run("wait", chan.wait)
+    if sched.partial_home:
+        part.post_recv()
+        for name, view in timer.run("wait", part.received).items():
+            grads[name] += view
+    timer.run("wait", part.drain)
+
+    grads["dq"] *= acc.type(plan.scale)
+    dq = _from_rows(xp, grads["dq"], q.dtype)
+    dk = _from_kv(xp, grads["dk"], q.dtype)
+    dvv = _from_kv(xp, grads["dv"], q.dtype)
+    return dq, dk, dvv, plan.phase_stats(sched, chan, part, timer, t_start)

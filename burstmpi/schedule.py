@@ -1,0 +1,94 @@
+"""The ring schedule: which steps compute, which transfers happen, and in which direction.
+
+One block ("packet") per rank travels around the ring; at step t rank i holds the packet
+owned by rank ``i - dir*t``. Every rank derives the whole schedule from the layout and
+the mask alone, so a sender and its receiver always agree on whether a transfer happens:
+nothing is negotiated at run time and a skipped send can never strand a posted receive.
+
+Rules, for the packet owned by rank j:
+
+* step t computes iff the holder's block and j's block interact (``masks.ranks_interact``);
+* the packet moves on after step t iff some later holder computes with it: a causal
+  contiguous K/V block stops travelling once it has passed the last rank that needs it;
+* a moving gradient partial (dQ in "burst" mode, dK/dV in "ring" mode) starts at the
+  first holder after the owner that computes, rides one step behind the packet, and
+  makes the final hop home only if someone contributed. The owner's own step-0
+  contribution never leaves home.
+
+The direction (+1: send to rank+1, or -1) is the one that moves fewer bytes: a causal
+contiguous forward sends K/V "up" the ring, a burst backward sends Q "down" it, so both
+stop early. Ties go to +1.
+"""
+
+import numpy as np
+
+from .masks import ranks_interact
+
+__all__ = ["Schedule", "interaction_matrix", "ring_bytes"]
+
+
+def interaction_matrix(layout, win):
+    """A[qi, kj]: does some query of rank qi see some key of rank kj?"""
+    P = layout.nranks
+    return np.array([[ranks_interact(layout, qi, kj, win) for kj in range(P)] for qi in range(P)],
+                    dtype=bool)
+
+
+def _moves_on(needs, owner, t, direction):
+    """Does a holder after step t compute with ``owner``'s packet?"""
+    P = needs.shape[0]
+    return any(needs[(owner + direction * s) % P, owner] for s in range(t + 1, P))
+
+
+def _started(needs, owner, t, direction):
+    """Has a holder other than the owner computed with it by step t (a partial exists)?"""
+    P = needs.shape[0]
+    return any(needs[(owner + direction * s) % P, owner] for s in range(1, t + 1))
+
+
+def ring_bytes(needs, direction, packet_bytes, partial_bytes):
+    """Bytes the whole ring sends in one phase with packets going ``direction``."""
+    P = needs.shape[0]
+    return sum(packet_bytes * sum(_moves_on(needs, o, t, direction) for t in range(P - 1))
+               + partial_bytes * sum(_started(needs, o, t, direction) for t in range(1, P))
+               for o in range(P))
+
+
+class Schedule:
+    """The plan of one ring phase, seen from one rank.
+
+    ``needs[holder, owner]`` says whether ``holder`` computes with ``owner``'s packet;
+    ``packet_bytes`` and ``partial_bytes`` weigh the choice of direction.
+    """
+
+    def __init__(self, needs, rank, packet_bytes, partial_bytes=0, direction=None):
+        self.P = P = needs.shape[0]
+        self.rank = rank
+        cost = {d: ring_bytes(needs, d, packet_bytes, partial_bytes) for d in (1, -1)}
+        if direction is None:
+            direction = 1 if cost[1] <= cost[-1] else -1
+        self.direction = d = direction
+        self.ring_bytes = cost[d]
+        own = [(rank - d * t) % P for t in range(P)]
+        self.owners = own
+        self.compute = [bool(needs[rank, own[t]]) for t in range(P)]
+        # Packet sent after step t (t < P-1), and the one received for step t+1.
+        self.send = [_moves_on(needs, own[t], t, d) for t in range(P - 1)]
+        self.recv = [_moves_on(needs, own[t + 1], t, d) for t in range(P - 1)]
+        # Gradient partial sent after step t (t >= 1), received at step t (t >= 2) from
+        # the previous holder, and the final hop home.
+        self.partial_send = [t >= 1 and _started(needs, own[t], t, d) for t in range(P)]
+        self.partial_recv = [t >= 2 and _started(needs, own[t], t - 1, d) for t in range(P)]
+        self.partial_home = P > 1 and _started(needs, rank, P - 1, d)
+
+    @property
+    def steps_computed(self):
+        return sum(self.compute)
+
+    @property
+    def steps_skipped(self):
+        return self.P - self.steps_computed
+
+    def __repr__(self):
+        return (f"Schedule(rank={self.rank}, P={self.P}, direction={self.direction:+d}, "
+                f"compute={self.compute}, send={self.send}, recv={self.recv})")

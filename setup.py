@@ -1,0 +1,44 @@
+"""burstmpi: exact distributed softmax attention over MPI (BurstAttention)."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+# -- metadata -------------------------------------------------------------------------
+NAME = "burstmpi"
+VERSION = "0.1.0"
+DESCRIPTION = "Exact softmax attention over sequences split across MPI ranks (BurstAttention)"
+
+# -- dependencies (README.md says why each is there) ----------------------------------
+INSTALL_REQUIRES = [
+    "numpy>=1.24",            # host arrays and BLAS for the CPU backend
+    "mpi4py>=3.1",            # MPI: the ring transport and rank agreement
+    "click>=8.0",             # the burstmpi-bench command line
+    "ml_dtypes>=0.3",         # bfloat16 as a NumPy dtype
+    "array-api-compat>=1.4",  # hand results back as the caller's array type
+    "threadpoolctl>=3.0",     # bench: keep BLAS threads within the cores of each rank
+]
+EXTRAS_REQUIRE = {
+    # A pip-only MPI (wheel). Clusters keep their own MPI and leave this out.
+    "mpich": ["mpich"],
+    "test": ["pytest>=7", "pytest-timeout>=2", "mpich"],
+    # The design card's GPU stack (the CUDA runtime itself lands with the GPU issue).
+    "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
+}
+
+# -- console scripts ------------------------------------------------------------------
+ENTRY_POINTS = {"console_scripts": ["burstmpi-bench = burstmpi.bench:main"]}
+
+setup(
+    name=NAME,
+    version=VERSION,
+    description=DESCRIPTION,
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    packages=find_packages(include=["burstmpi", "burstmpi.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    entry_points=ENTRY_POINTS,
+)

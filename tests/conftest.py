@@ -1,0 +1,96 @@
+"""Shared helpers. Every test here runs alone (1 rank) and under ``mpiexec -n P``.
+
+Tests that involve the ring use ``MPI.COMM_WORLD``; ``tests/test_mpi.py`` reruns them
+under mpiexec with 2, 3 and 4 ranks. A test needing several ranks says so with
+``needs_ranks``.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import burstmpi
+from burstmpi import reference as ref
+from burstmpi.interop import bfloat16
+
+COMM = MPI.COMM_WORLD
+RANK, NRANKS = COMM.Get_rank(), COMM.Get_size()
+
+DTYPES = ["float16", "float32", "float64"] + (["bfloat16"] if bfloat16 is not None else [])
+
+# Slack on top of flash-attn's rule (our error <= 2 x a plain same-dtype implementation's
+# error, both against float64), as a few units in the last place of the dtype at the
+# reference's largest magnitude. It matters for float32/float64, where the plain error can
+# be tiny: our backward rebuilds P from the stored lse (as flash-attn does), and lse's own
+# rounding then shows up in sums like dv of an early key under a causal mask.
+ATOL = {"float64": 1e-13, "float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-3}
+
+# The largest error seen against float64 per dtype and quantity, and the summaries of
+# the runs under mpiexec: both reported at the end of the session.
+WORST = {}
+MULTIRANK = []
+
+
+def needs_ranks(n):
+    return pytest.mark.skipif(NRANKS < n, reason=f"needs {n}+ MPI ranks (run under mpiexec)")
+
+
+def dtype_of(name):
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def f64(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+def check_close(name, ours, exact, plain, dtype):
+    """Assert flash-attn's rule; record the error for the summary."""
+    ours, exact, plain = f64(ours), f64(exact), f64(plain)
+    fin = np.isfinite(exact)
+    assert np.array_equal(np.isfinite(ours), fin), f"{name}: non-finite values differ from the reference"
+    assert np.array_equal(ours[~fin], exact[~fin]), f"{name}: infinite values differ"
+    err = float(np.abs(ours[fin] - exact[fin]).max(initial=0.0))
+    base = float(np.abs(plain[fin] - exact[fin]).max(initial=0.0))
+    key = (dtype, name)
+    WORST[key] = max(WORST.get(key, 0.0), err)
+    atol = ATOL[dtype] * max(1.0, float(np.abs(exact[fin]).max(initial=0.0)))
+    assert err <= 2 * base + atol, \
+        f"{name} ({dtype}): error {err:.3e} > 2 x plain {base:.3e} + atol {atol:.1e}"
+    return err
+
+
+def run_case(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=False,
+             window=None, layout="contiguous", bwd_comm="burst", softmax_scale=None, seed=0,
+             check_backward=True):
+    """Run forward and backward on COMM_WORLD and check them against float64."""
+    N = C * NRANKS
+    q, k, v, do = ref.random_problem(B, N, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
+    opts = dict(causal=causal, window=window, softmax_scale=softmax_scale)
+    sh = lambda x: burstmpi.shard(x, layout=layout)
+    un = lambda x, axis=1: burstmpi.unshard(x, layout=layout, axis=axis)
+    plan = burstmpi.BurstAttention(layout=layout, bwd_comm=bwd_comm, **opts)
+    ql, kl, vl, dol = sh(q), sh(k), sh(v), sh(do)
+    out, lse = plan.forward(ql, kl, vl)
+    assert out.dtype == ql.dtype and out.shape == ql.shape[:3] + (vl.shape[3],)
+    assert lse.shape == (B, Z, C)
+    o64, l64 = ref.forward(q, k, v, **opts)
+    op, lp = ref.forward(q, k, v, precision="plain", **opts)
+    errs = {"out": check_close("out", un(out), o64, op, dtype),
+            "lse": check_close("lse", un(lse, axis=2), l64, lp, dtype)}
+    if check_backward:
+        dq, dk, dv_ = plan.backward(dol, ql, kl, vl, out, lse)
+        exact = ref.backward(do, q, k, v, **opts)
+        plain = ref.backward(do, q, k, v, precision="plain", **opts)
+        for name, ours, e, p in zip(("dq", "dk", "dv"), (dq, dk, dv_), exact, plain):
+            assert ours.dtype == ql.dtype
+            errs[name] = check_close(name, un(ours), e, p, dtype)
+    return plan, errs
+
+
+def pytest_terminal_summary(terminalreporter):
+    if WORST and RANK == 0:
+        terminalreporter.write_line(f"largest error against float64 ({NRANKS} rank(s)):")
+        for (dt, name), err in sorted(WORST.items()):
+            terminalreporter.write_line(f"  {dt:9s} {name:4s} {err:.3e}")
+    for summary in MULTIRANK:
+        terminalreporter.write_line(summary)

@@ -1,0 +1,80 @@
+"""Multi-rank runs: the suite under ``mpiexec -n 2/3/4``, and abort-instead-of-hang.
+
+Each run is a subprocess with a hard timeout that kills the whole process group, so a
+hang fails the test instead of stalling CI. Skipped when already running under mpiexec.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MULTIRANK, NRANKS
+
+HERE = Path(__file__).resolve().parent
+SUITE = ["test_attention.py", "test_schedule.py", "test_errors.py", "test_interop.py", "test_bench.py"]
+MPIEXEC = shutil.which("mpiexec")
+
+pytestmark = [
+    pytest.mark.skipif(NRANKS > 1 or os.environ.get("BURSTMPI_UNDER_MPIEXEC") == "1",
+                       reason="already under mpiexec"),
+    pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install mpich)"),
+]
+
+
+def mpiexec(n, args, timeout):
+    """Run ``mpiexec -n n python -m mpi4py ARGS``; return (returncode, output, seconds)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", BURSTMPI_UNDER_MPIEXEC="1",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", *args],
+                            cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec -n {n} {' '.join(args)} hung for {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_suite_under_mpiexec(n):
+    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE], timeout=900)
+    assert rc == 0, f"mpiexec -n {n} pytest failed (exit {rc}):\n{out[-6000:]}"
+    counts = re.findall(r"(\d+) passed", out)
+    assert len(counts) == n, f"expected a pytest summary from each of {n} ranks:\n{out[-3000:]}"
+    worst = "\n".join(line for line in out.splitlines() if re.match(r"\s+(float|bfloat)\S*\s+\w+\s+\S+e", line))
+    MULTIRANK.append(f"mpiexec -n {n}: {counts[0]} passed on each of {n} ranks in {secs:.0f} s\n{worst}")
+
+
+@pytest.mark.parametrize("where", ["before the ring", "inside the ring"])
+def test_exception_on_one_rank_ends_the_job(where):
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from mpi4py import MPI
+        import burstmpi
+        from burstmpi.backends import NumpyBackend
+        rank = MPI.COMM_WORLD.Get_rank()
+        q = np.zeros((1, 64, 2, 16), np.float32)
+        if rank == 1:
+            if {where!r} == "before the ring":
+                raise RuntimeError("boom on rank 1")
+            def fail(*a, **k):
+                raise RuntimeError("boom on rank 1")
+            NumpyBackend.fwd_block = fail
+        for _ in range(1000):
+            burstmpi.attention(q, q, q)
+    """)
+    rc, out, secs = mpiexec(3, ["-c", script], timeout=120)
+    assert rc != 0, f"the job survived an exception on rank 1:\n{out[-2000:]}"
+    assert "boom on rank 1" in out
+    assert secs < 60, f"aborting took {secs:.0f} s"
