@@ -17,7 +17,12 @@ the backward (max over ranks); skip is ring steps skipped (sum over ranks); #wro
 elements of out, lse and dq on sampled query rows outside the dtype's tolerance against
 float64. The job exits non-zero if any #wrong is non-zero. With --torch, rank 0 also
 runs PyTorch's scaled_dot_product_attention on the whole global problem (with all the
-threads torch takes), and ``vs torch`` is our aggregate TFLOP/s over torch's.
+threads torch takes), and ``vs torch`` is our aggregate TFLOP/s over torch's. With
+--trace-memory, a first forward and backward on a fresh plan are traced: "oper MB" is
+what the phase cannot do without (its arrays in and out and the plan's ring buffers) and
+"peak MB" the largest total of live NumPy arrays during the call, inputs included
+(tracemalloc), max over ranks. "peak MB/rk" is the process's
+maximum resident set, interpreter and libraries included.
 """
 
 import json
@@ -26,6 +31,7 @@ import resource
 import socket
 import sys
 import time
+import tracemalloc
 
 import click
 import numpy as np
@@ -35,6 +41,7 @@ from . import __version__, reference
 from .api import shard, unshard
 from .interop import bfloat16
 from .layout import LAYOUTS
+from .masks import Window
 from .plan import BurstAttention
 
 __all__ = ["main", "flops"]
@@ -62,6 +69,10 @@ COLUMNS = [
     ("steps_skipped", "skip", "steps", 5, "d"), ("peak_mb", "peak", "MB/rk", 7, ".0f"),
     ("wrong", "#wrong", "", 6, "d"),
 ]
+MEMORY_COLUMNS = [
+    ("fwd_operands_mb", "fwd", "oper MB", 8, ".0f"), ("fwd_traced_peak_mb", "fwd", "peak MB", 8, ".0f"),
+    ("bwd_operands_mb", "bwd", "oper MB", 8, ".0f"), ("bwd_traced_peak_mb", "bwd", "peak MB", 8, ".0f"),
+]
 TORCH_COLUMNS = [
     ("torch_fwd_tflops", "torch", "fwd TF/s", 8, ".3f"),
     ("torch_fwdbwd_tflops", "torch", "f+b TF/s", 8, ".3f"),
@@ -69,9 +80,20 @@ TORCH_COLUMNS = [
 ]
 
 
-def flops(batch, seqlen, heads, head_dim, causal, phase="fwd"):
-    """Attention FLOPs by flash-attn's convention (backward = 2.5 x forward)."""
-    f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+def flops(batch, seqlen, heads, head_dim, causal, phase="fwd", window=None):
+    """Attention FLOPs by flash-attn's convention (backward = 2.5 x forward).
+
+    Without a window: 4 B Z N^2 d, halved when causal. With a sliding window: 4 B Z d
+    times the number of visible (query, key) pairs.
+    """
+    if window is None:
+        f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    else:
+        win = Window(causal, window)
+        i = np.arange(seqlen, dtype=np.int64)
+        pairs = (np.minimum(seqlen - 1, i + min(win.hi, seqlen))
+                 - np.maximum(0, i - min(win.lo, seqlen)) + 1).sum()
+        f = 4.0 * batch * heads * head_dim * float(pairs)
     return {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}[phase]
 
 
@@ -209,8 +231,15 @@ def _torch_times(comm, cfg, local, iters):
         tf = min(_wall(fwd) for _ in range(iters))
         tfb = min(_wall(fwdbwd) for _ in range(iters))
         result = (tf, tfb)
-    comm.Barrier()
+    _idle_barrier(comm)
     return result
+
+
+def _idle_barrier(comm):
+    """A barrier that sleeps: MPI_Barrier busy-polls, and would steal cores from torch."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
 
 
 def _wall(fn):
@@ -219,7 +248,31 @@ def _wall(fn):
     return time.perf_counter() - t0
 
 
-def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed):
+def _footprint(comm, cfg, window, q, k, v, do):
+    """Peak bytes of one forward and one backward on a fresh plan, inputs included.
+
+    tracemalloc sees every NumPy allocation made while it runs; the inputs were made
+    before, so their bytes are added. Returns MB (max over ranks) of the peaks and of
+    what each phase cannot do without: its arrays in and out and its ring buffers.
+    """
+    plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
+                          bwd_comm=cfg["bwd_comm"])
+    tracemalloc.start()
+    out, lse = plan.forward(q, k, v)
+    fwd_peak = tracemalloc.get_traced_memory()[1] + q.nbytes + k.nbytes + v.nbytes
+    fwd_need = q.nbytes + k.nbytes + v.nbytes + out.nbytes + lse.nbytes + plan.buffer_bytes
+    tracemalloc.reset_peak()
+    grads = plan.backward(do, q, k, v, out, lse)
+    bwd_peak = tracemalloc.get_traced_memory()[1] + do.nbytes + q.nbytes + k.nbytes + v.nbytes
+    bwd_need = (do.nbytes + q.nbytes + k.nbytes + v.nbytes + out.nbytes + lse.nbytes
+                + sum(g.nbytes for g in grads) + plan.buffer_bytes)
+    tracemalloc.stop()
+    mb = [comm.allreduce(x, op=MPI.MAX) / 1e6 for x in (fwd_need, fwd_peak, bwd_need, bwd_peak)]
+    return dict(zip(("fwd_operands_mb", "fwd_traced_peak_mb", "bwd_operands_mb", "bwd_traced_peak_mb"), mb))
+
+
+def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed,
+               trace_memory=False):
     """Benchmark one configuration; return its row (identical on every rank)."""
     P, rank = comm.Get_size(), comm.Get_rank()
     B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -231,6 +284,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     q, k, v, do = local
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
                           bwd_comm=cfg["bwd_comm"])
+    memory = _footprint(comm, cfg, window, q, k, v, do) if trace_memory else {}
     tf, tb = [], []
     for i in range(warmup + iters):
         a, (out, lse) = _time(comm, lambda: plan.forward(q, k, v))
@@ -249,9 +303,9 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     row.update(
         bwd_mode=st.bwd_mode, ranks=P,
         fwd_ms=1e3 * tf_s, bwd_ms=1e3 * tb_s, fwdbwd_ms=1e3 * fb_s,
-        fwd_tflops=flops(B, N, Z, d, cfg["causal"], "fwd") / P / tf_s / 1e12,
-        bwd_tflops=flops(B, N, Z, d, cfg["causal"], "bwd") / P / tb_s / 1e12,
-        fwdbwd_tflops=flops(B, N, Z, d, cfg["causal"], "fwdbwd") / P / fb_s / 1e12,
+        fwd_tflops=flops(B, N, Z, d, cfg["causal"], "fwd", window) / P / tf_s / 1e12,
+        bwd_tflops=flops(B, N, Z, d, cfg["causal"], "bwd", window) / P / tb_s / 1e12,
+        fwdbwd_tflops=flops(B, N, Z, d, cfg["causal"], "fwdbwd", window) / P / fb_s / 1e12,
         fwd_mb_sent=comm.allreduce(st.forward.bytes_sent, op=MPI.MAX) / 1e6,
         bwd_mb_sent=comm.allreduce(st.backward.bytes_sent, op=MPI.MAX) / 1e6,
         steps_skipped=comm.allreduce(st.forward.steps_skipped, op=MPI.SUM),
@@ -261,14 +315,15 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         wrong=-1,
     )
     row["fwdbwd_tflops_all"] = row["fwdbwd_tflops"] * P
+    row.update(memory)
     if check:
         positions = plan.layout.positions(rank)
         row["wrong"] = _count_wrong(comm, row, local, out, lse, grads[0], window, positions)
     if use_torch:
         t_f, t_fb = _torch_times(comm, row, local, iters)
         t_f, t_fb = comm.bcast((t_f, t_fb), root=0)
-        row["torch_fwd_tflops"] = flops(B, N, Z, d, cfg["causal"], "fwd") / t_f / 1e12
-        row["torch_fwdbwd_tflops"] = flops(B, N, Z, d, cfg["causal"], "fwdbwd") / t_fb / 1e12
+        row["torch_fwd_tflops"] = flops(B, N, Z, d, cfg["causal"], "fwd", window) / t_f / 1e12
+        row["torch_fwdbwd_tflops"] = flops(B, N, Z, d, cfg["causal"], "fwdbwd", window) / t_fb / 1e12
         row["vs_torch_fwd"] = row["fwd_tflops"] * P / row["torch_fwd_tflops"]
         row["vs_torch_fwdbwd"] = row["fwdbwd_tflops_all"] / row["torch_fwdbwd_tflops"]
     return row
@@ -315,9 +370,11 @@ def _header(columns):
               type=click.Choice(["auto", "burst", "ring", "all"]), help="Backward communication mode.")
 @click.option("--torch/--no-torch", "use_torch", default=False, show_default=True,
               help="Also time PyTorch scaled_dot_product_attention on the global problem (rank 0).")
+@click.option("--trace-memory", is_flag=True,
+              help="Trace NumPy allocations: exact peak array bytes per rank and phase.")
 @click.option("--seed", default=0, show_default=True)
 def main(minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_path, batch, heads,
-         kv_heads, head_dim, mask, layout, window, bwd_comm, use_torch, seed):
+         kv_heads, head_dim, mask, layout, window, bwd_comm, use_torch, trace_memory, seed):
     """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
     comm = MPI.COMM_WORLD
     P = comm.Get_size()
@@ -325,6 +382,8 @@ def main(minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_p
     if heads % kv_heads:
         raise click.BadParameter(f"--kv-heads must divide --heads ({heads}), got {kv_heads}")
     if use_torch:
+        if window is not None:
+            raise click.UsageError("--torch compares dense or causal attention only; drop --window")
         try:
             import torch  # noqa: F401
         except ImportError:
@@ -344,7 +403,7 @@ def main(minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_p
     params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=iters, warmup=warmup,
                   check=check, dtype=dtype, average=REDUCE[reduce][0], batch=batch, heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
-                  window=window, bwd=bwd_comm, torch=use_torch, seed=seed)
+                  window=window, bwd=bwd_comm, torch=use_torch, trace_memory=trace_memory, seed=seed)
     who = comm.gather((socket.gethostname(), os.getpid()), root=0)
     limiter, threads_line = _blas_threads(comm)  # noqa: F841 (kept alive for the run)
     _say(comm, f"# burstmpi-bench {__version__}: backend numpy, transport mpi, {P} rank(s), "
@@ -354,12 +413,12 @@ def main(minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_p
          *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device cpu (numpy)" for r, (host, pid) in enumerate(who)]
            if who else []),
          "#")
-    columns = COLUMNS + (TORCH_COLUMNS if use_torch else [])
+    columns = COLUMNS + (MEMORY_COLUMNS if trace_memory else []) + (TORCH_COLUMNS if use_torch else [])
     _say(comm, *_header(columns))
     rows = []
     for cfg in configs:
         row = run_config(comm, cfg, iters=iters, warmup=warmup, check=check, reduce=reduce,
-                         window=window, use_torch=use_torch, seed=seed)
+                         window=window, use_torch=use_torch, seed=seed, trace_memory=trace_memory)
         rows.append(row)
         _say(comm, _format(columns, row))
     wrong = sum(max(r["wrong"], 0) for r in rows)

@@ -82,6 +82,8 @@ def _packet(fields, alloc):
 class Channel:
     """Two copies of one packet circulating around the ring."""
 
+    copies = 2
+
     def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
@@ -127,6 +129,8 @@ class Channel:
 
 class PartialChannel:
     """A gradient partial travelling one ring step behind its packet."""
+
+    copies = 3  # one receive buffer, two alternating send buffers
 
     def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc):
         self.transport = transport

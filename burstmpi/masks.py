@@ -9,7 +9,7 @@ Three questions are asked of positions, at three granularities:
 
 * ``ranks_interact``: does any query of one rank see any key of another? Decides
   whether a whole ring step (and possibly its transfer) can be skipped. Exact.
-* ``classify_tile``: is a (query tile, key tile) pair empty, full or partial? A sound
+* ``classify_tiles``: is each (query tile, key tile) pair empty, full or partial? A sound
   answer from the tiles' extreme positions; "partial" is always safe.
 * ``tile_mask``: the exact boolean mask of a partial tile.
 """
@@ -17,7 +17,7 @@ Three questions are asked of positions, at three granularities:
 import numpy as np
 
 __all__ = ["UNBOUNDED", "EMPTY", "FULL", "PARTIAL", "Window",
-           "ranks_interact", "classify_tile", "tile_mask"]
+           "ranks_interact", "classify_tiles", "tile_mask"]
 
 UNBOUNDED = 1 << 62
 EMPTY, FULL, PARTIAL = 0, 1, 2
@@ -78,13 +78,19 @@ def ranks_interact(layout, qrank, krank, win):
                for qr in layout.segments(qrank) for kr in layout.segments(krank))
 
 
-def classify_tile(qmin, qmax, kmin, kmax, win):
-    """EMPTY, FULL or PARTIAL for a tile pair given its extreme positions (sound)."""
-    if kmin > qmax + win.hi or kmax < qmin - win.lo:
-        return EMPTY
-    if kmin >= qmax - win.lo and kmax <= qmin + win.hi:
-        return FULL
-    return PARTIAL
+def classify_tiles(qmin, qmax, kmin, kmax, win):
+    """EMPTY, FULL or PARTIAL for every (query tile, key tile) pair (sound).
+
+    Takes each tile's extreme positions (1-D arrays) and returns an int array of shape
+    (query tiles, key tiles). Disjoint hulls are EMPTY; a pair whose farthest keys are
+    all inside every query's window is FULL; anything else is PARTIAL.
+    """
+    qmin, qmax = np.asarray(qmin)[:, None], np.asarray(qmax)[:, None]
+    kmin, kmax = np.asarray(kmin)[None, :], np.asarray(kmax)[None, :]
+    cls = np.full(np.broadcast_shapes(qmin.shape, kmin.shape), PARTIAL, dtype=np.int8)
+    cls[(kmin >= qmax - win.lo) & (kmax <= qmin + win.hi)] = FULL
+    cls[(kmin > qmax + win.hi) | (kmax < qmin - win.lo)] = EMPTY
+    return cls
 
 
 def tile_mask(qpos, kpos, win):

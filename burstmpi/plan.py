@@ -3,7 +3,7 @@
 import functools
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
@@ -44,14 +44,17 @@ class PhaseStats:
 
 @dataclass
 class Stats:
-    """``last_stats`` of a plan: the latest forward and backward, and the choices made."""
+    """``last_stats`` of a plan: the latest forward and backward, and the choices made.
+
+    ``buffer_bytes`` is the memory the plan keeps for ring buffers between calls.
+    """
 
     forward: Optional[PhaseStats] = None
     backward: Optional[PhaseStats] = None
     bwd_mode: Optional[str] = None
     backend: str = "numpy"
     transport: str = "mpi"
-    extra: dict = field(default_factory=dict)
+    buffer_bytes: int = 0
 
     def as_dict(self):
         return asdict(self)
@@ -115,6 +118,7 @@ class BurstAttention:
         self.backend = None
         self.transport = MPITransport(self.comm)
         self._channels = {}
+        self._arena = None
         self.last_stats = Stats()
 
     # -- plumbing shared with burstmpi.ring ---------------------------------------------
@@ -134,18 +138,43 @@ class BurstAttention:
     def schedule(self, mode, packet_bytes, partial_bytes):
         return Schedule(self.needs(mode), self.rank, packet_bytes, partial_bytes)
 
-    def channel(self, name, cls, fields, direction, tag):
-        key = (name, direction, tuple((f, tuple(s), np.dtype(d).str) for f, s, d in fields))
-        chan = self._channels.get(name)
-        if chan is None or chan[0] != key:
-            self._channels.pop(name, None)
-            chan = (key, cls(self.transport, fields, send_to=(self.rank + direction) % self.nranks,
-                             recv_from=(self.rank - direction) % self.nranks, tag=tag,
-                             alloc=self.backend.alloc))
-            self._channels[name] = chan
-        c = chan[1]
-        c.bytes_sent = c.bytes_recv = 0
-        return c
+    def channels(self, phase, direction, specs):
+        """The channels of one phase, built on the plan's buffer arena.
+
+        ``specs`` lists (class, fields, tag). Phases never run at the same time, so all
+        of them share one arena as large as the largest phase needs (the forward's K/V
+        double buffer and the backward's packets reuse the same memory). Channels are
+        cached per phase while their shapes stay the same.
+        """
+        key = (direction, tuple((cls.__name__, tag, tuple((f, tuple(s), np.dtype(d).str) for f, s, d in fields))
+                                for cls, fields, tag in specs))
+        cached = self._channels.get(phase)
+        if cached is None or cached[0] != key:
+            need = sum(cls.copies * ring.nbytes(fields) for cls, fields, _ in specs)
+            if self._arena is None or self._arena.nbytes < need:
+                self._channels.clear()  # they view the old arena; let it go
+                self._arena = None
+                self._arena = self.backend.alloc(need)
+            offset = [0]
+
+            def carve(nbytes):
+                view = self._arena[offset[0]:offset[0] + nbytes]
+                offset[0] += nbytes
+                return view
+
+            send_to = (self.rank + direction) % self.nranks
+            recv_from = (self.rank - direction) % self.nranks
+            chans = [cls(self.transport, fields, send_to=send_to, recv_from=recv_from, tag=tag, alloc=carve)
+                     for cls, fields, tag in specs]
+            cached = self._channels[phase] = (key, chans)
+        for c in cached[1]:
+            c.bytes_sent = c.bytes_recv = 0
+        return cached[1]
+
+    @property
+    def buffer_bytes(self):
+        """Bytes of ring buffers this plan holds (the double buffers and partials)."""
+        return 0 if self._arena is None else int(self._arena.nbytes)
 
     @staticmethod
     def phase_stats(sched, chan, part, timer, t_start):
@@ -159,6 +188,7 @@ class BurstAttention:
     def release(self):
         """Free the ring buffers (they are re-allocated on the next call)."""
         self._channels.clear()
+        self._arena = None
 
     # -- the calls --------------------------------------------------------------------
 
@@ -200,7 +230,7 @@ class BurstAttention:
         h, dims = self._prepare(fn, {"q": q, "k": k, "v": v},
                                 lambda h: check_forward(fn, h["q"], h["k"], h["v"], self.layout_name))
         out, lse, st = ring.forward(self, h["q"], h["k"], h["v"], dims)
-        self.last_stats.forward = st
+        self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         return like(out, q), like(lse, q)
 
     def choose_bwd_mode(self, dims, dtype):
@@ -232,5 +262,6 @@ class BurstAttention:
         dq, dk, dv, st = ring.backward(self, mode, h["dout"], h["q"], h["k"], h["v"],
                                        h["out"], h["lse"], dims)
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
+        self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)
 

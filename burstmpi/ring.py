@@ -94,7 +94,7 @@ def forward(plan, q, k, v, dims):
     acc = be.acc_dtype(q.dtype)
     packet, _ = packet_fields("forward", dims, q.dtype, acc)
     sched = plan.schedule("forward", nbytes(packet), 0)
-    chan = plan.channel("forward", Channel, packet, sched.direction, TAG_FWD)
+    (chan,) = plan.channels("forward", sched.direction, [(Channel, packet, TAG_FWD)])
     timer, t_start = _Timer(), time.perf_counter()
 
     cur = chan.current
@@ -115,7 +115,9 @@ def forward(plan, q, k, v, dims):
         if more:
             timer.run("wait", chan.wait)
     out_rows, lse_rows = be.fwd_finalize(state)
+    del state
     out = _from_rows(xp, out_rows, q.dtype)
+    del out_rows
     lse = xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
     return out, lse, plan.phase_stats(sched, chan, None, timer, t_start)
 
@@ -128,12 +130,12 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     acc = be.acc_dtype(q.dtype)
     packet, partial = packet_fields(mode, dims, q.dtype, acc)
     sched = plan.schedule(mode, nbytes(packet), nbytes(partial))
-    chan = plan.channel(mode, Channel, packet, sched.direction, TAG_BWD)
-    part = plan.channel(mode + "-partial", PartialChannel, partial, sched.direction, TAG_PARTIAL)
+    chan, part = plan.channels(mode, sched.direction, [(Channel, packet, TAG_BWD),
+                                                       (PartialChannel, partial, TAG_PARTIAL)])
     timer, t_start = _Timer(), time.perf_counter()
 
     # D = rowsum(dO * O), once and locally, so O itself never travels.
-    D = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)           # (B, C, Z)
+    D = (dout.astype(acc, copy=False) * out.astype(acc, copy=False)).sum(axis=-1)  # (B, C, Z)
     D = D.reshape(B, C, Zkv, g).transpose(0, 2, 1, 3)                 # (B, Zkv, C, g)
     lse_rows = lse.astype(acc).reshape(B, Zkv, g, C).transpose(0, 1, 3, 2)
     # Rows that saw no key have lse = -inf; +inf makes exp(s - lse) exactly 0 there.
@@ -177,8 +179,10 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
             grads[name] += view
     timer.run("wait", part.drain)
 
+    del target, qs, ks
     grads["dq"] *= acc.type(plan.scale)
-    dq = _from_rows(xp, grads["dq"], q.dtype)
-    dk = _from_kv(xp, grads["dk"], q.dtype)
-    dvv = _from_kv(xp, grads["dv"], q.dtype)
+    # Convert one gradient at a time, dropping its fp32 accumulator as soon as it is done.
+    dq = _from_rows(xp, grads.pop("dq"), q.dtype)
+    dk = _from_kv(xp, grads.pop("dk"), q.dtype)
+    dvv = _from_kv(xp, grads.pop("dv"), q.dtype)
     return dq, dk, dvv, plan.phase_stats(sched, chan, part, timer, t_start)

@@ -5,6 +5,9 @@ under mpiexec with 2, 3 and 4 ranks. A test needing several ranks says so with
 ``needs_ranks``.
 """
 
+import json
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -88,6 +91,14 @@ def run_case(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=Fa
 
 
 def pytest_terminal_summary(terminalreporter):
+    # Under tests/test_mpi.py each rank reports to a file of its own: interleaved
+    # stdout from several ranks cannot be parsed reliably.
+    report_dir = os.environ.get("BURSTMPI_REPORT_DIR")
+    if report_dir:
+        counts = {k: len(terminalreporter.stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
+        worst = {f"{dt} {name}": err for (dt, name), err in sorted(WORST.items())}
+        with open(os.path.join(report_dir, f"rank{RANK}.json"), "w") as fh:
+            json.dump({"counts": counts, "worst": worst}, fh)
     if WORST and RANK == 0:
         terminalreporter.write_line(f"largest error against float64 ({NRANKS} rank(s)):")
         for (dt, name), err in sorted(WORST.items()):

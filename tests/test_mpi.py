@@ -4,8 +4,8 @@ Each run is a subprocess with a hard timeout that kills the whole process group,
 hang fails the test instead of stalling CI. Skipped when already running under mpiexec.
 """
 
+import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -29,10 +29,11 @@ pytestmark = [
 ]
 
 
-def mpiexec(n, args, timeout):
+def mpiexec(n, args, timeout, **env_extra):
     """Run ``mpiexec -n n python -m mpi4py ARGS``; return (returncode, output, seconds)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", BURSTMPI_UNDER_MPIEXEC="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+               **env_extra)
     t0 = time.perf_counter()
     proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", *args],
                             cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -47,13 +48,19 @@ def mpiexec(n, args, timeout):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_suite_under_mpiexec(n):
-    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE], timeout=900)
+def test_suite_under_mpiexec(n, tmp_path):
+    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE], timeout=900,
+                            BURSTMPI_REPORT_DIR=str(tmp_path))
     assert rc == 0, f"mpiexec -n {n} pytest failed (exit {rc}):\n{out[-6000:]}"
-    counts = re.findall(r"(\d+) passed", out)
-    assert len(counts) == n, f"expected a pytest summary from each of {n} ranks:\n{out[-3000:]}"
-    worst = "\n".join(line for line in out.splitlines() if re.match(r"\s+(float|bfloat)\S*\s+\w+\s+\S+e", line))
-    MULTIRANK.append(f"mpiexec -n {n}: {counts[0]} passed on each of {n} ranks in {secs:.0f} s\n{worst}")
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)
+               if (tmp_path / f"rank{r}.json").exists()]
+    assert len(reports) == n, f"expected a report from each of {n} ranks:\n{out[-3000:]}"
+    counts = reports[0]["counts"]
+    assert all(r["counts"] == counts for r in reports), [r["counts"] for r in reports]
+    assert counts["passed"] > 100 and counts["failed"] == counts["error"] == 0, counts
+    worst = "\n".join(f"    {k:14s} {v:.3e}" for k, v in reports[0]["worst"].items())
+    MULTIRANK.append(f"mpiexec -n {n}: {counts['passed']} passed, {counts['skipped']} skipped on each "
+                     f"of {n} ranks in {secs:.0f} s; largest error against float64:\n{worst}")
 
 
 @pytest.mark.parametrize("where", ["before the ring", "inside the ring"])

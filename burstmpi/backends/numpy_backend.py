@@ -20,7 +20,7 @@ FlashAttention-2 merges one K tile into the next.
 
 import numpy as np
 
-from ..masks import EMPTY, PARTIAL, classify_tile, tile_mask
+from ..masks import EMPTY, PARTIAL, classify_tiles, tile_mask
 
 __all__ = ["NumpyBackend"]
 
@@ -39,21 +39,28 @@ def _tiles(pos, size):
     return [(s, min(s + size, b)) for a, b in zip(cuts, cuts[1:]) for s in range(a, b, size)]
 
 
+def _extremes(pos, tiles):
+    starts = np.array([a for a, _ in tiles])
+    return np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)
+
+
 def _tile_plan(qpos, kpos, tq, tk, win):
-    """Per (q tile, k tile): its class and, when partial, an additive 0/-inf bias."""
+    """Rows of (q tile, [(k tile, bias)]) without empty pairs; bias (0/-inf) if partial."""
     qt, kt = _tiles(qpos, tq), _tiles(kpos, tk)
+    qmin, qmax = _extremes(qpos, qt)
+    kmin, kmax = _extremes(kpos, kt)
+    cls = classify_tiles(qmin, qmax, kmin, kmax, win)
     plan = []
-    for r0, r1 in qt:
-        qp = qpos[r0:r1]
+    for i, (r0, r1) in enumerate(qt):
         row = []
-        for c0, c1 in kt:
-            kp = kpos[c0:c1]
-            cls = classify_tile(qp.min(), qp.max(), kp.min(), kp.max(), win)
+        for j in np.nonzero(cls[i] != EMPTY)[0]:
+            c0, c1 = kt[j]
             bias = None
-            if cls == PARTIAL:
-                bias = np.where(tile_mask(qp, kp, win), 0.0, -np.inf)
-            row.append((c0, c1, cls, bias))
-        plan.append((r0, r1, row))
+            if cls[i, j] == PARTIAL:
+                bias = np.where(tile_mask(qpos[r0:r1], kpos[c0:c1], win), 0.0, -np.inf)
+            row.append((c0, c1, bias))
+        if row:
+            plan.append((r0, r1, row))
     return plan
 
 
@@ -75,7 +82,14 @@ class NumpyBackend:
         return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
     def _plan(self, g, qpos, kpos, win):
-        return _tile_plan(qpos, kpos, max(1, self.tile_q // g), self.tile_k, win)
+        tq, tk = max(1, self.tile_q // g), self.tile_k
+        # A narrow sliding window only touches a band around the diagonal: shrink the
+        # tiles towards half its width so that little of each tile is masked away.
+        width = win.lo + win.hi + 1
+        if width < 2 * tk:
+            t = max(64, 1 << int(width // 2).bit_length())
+            tq, tk = min(tq, max(1, t // g)), min(tk, t)
+        return _tile_plan(qpos, kpos, tq, tk, win)
 
     # -- forward ----------------------------------------------------------------------
 
@@ -92,16 +106,12 @@ class NumpyBackend:
         dv = v.shape[-1]
         cd = acc.dtype
         for r0, r1, row in self._plan(g, qpos, kpos, win):
-            if all(cls == EMPTY for *_, cls, _ in row):
-                continue
             n = (r1 - r0) * g
             qt = q[:, :, r0:r1].reshape(B, Zkv, n, d).astype(cd) * cd.type(scale)
             acc_t = acc[:, :, r0:r1].reshape(B, Zkv, n, dv)
             m_t = m[:, :, r0:r1].reshape(B, Zkv, n)
             l_t = l[:, :, r0:r1].reshape(B, Zkv, n)
-            for c0, c1, cls, bias in row:
-                if cls == EMPTY:
-                    continue
+            for c0, c1, bias in row:
                 s = qt @ k[:, :, c0:c1].astype(cd, copy=False).swapaxes(-1, -2)
                 if bias is not None:
                     s.reshape(B, Zkv, r1 - r0, g, c1 - c0)[...] += bias[:, None, :].astype(cd)
@@ -122,13 +132,16 @@ class NumpyBackend:
 
     @staticmethod
     def fwd_finalize(state):
-        """Return (out, lse) from the running state; rows that saw no key give 0, -inf."""
+        """Return (out, lse) from the running state, normalising ``acc`` in place.
+
+        Rows that saw no key give 0 and -inf.
+        """
         acc, m, l = state
         seen = l > 0
-        out = acc / np.where(seen, l, 1)[..., None]
-        with np.errstate(divide="ignore"):
-            lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
-        return out, lse
+        l_safe = np.where(seen, l, 1)
+        acc /= l_safe[..., None]  # in place: the accumulator becomes the output
+        lse = np.where(seen, m + np.log(l_safe), -np.inf)
+        return acc, lse
 
     # -- backward ---------------------------------------------------------------------
 
@@ -144,17 +157,13 @@ class NumpyBackend:
         cd = dq.dtype
         sc = cd.type(scale)
         for r0, r1, row in self._plan(g, qpos, kpos, win):
-            if all(cls == EMPTY for *_, cls, _ in row):
-                continue
             n = (r1 - r0) * g
             qt = q[:, :, r0:r1].reshape(B, Zkv, n, d).astype(cd) * sc
             dot = do[:, :, r0:r1].reshape(B, Zkv, n, dvd).astype(cd, copy=False)
             Dt = D[:, :, r0:r1].reshape(B, Zkv, n, 1)
             lt = lse[:, :, r0:r1].reshape(B, Zkv, n, 1)
             dq_t = dq[:, :, r0:r1].reshape(B, Zkv, n, d)
-            for c0, c1, cls, bias in row:
-                if cls == EMPTY:
-                    continue
+            for c0, c1, bias in row:
                 kt = k[:, :, c0:c1].astype(cd, copy=False)
                 vt = v[:, :, c0:c1].astype(cd, copy=False)
                 p = qt @ kt.swapaxes(-1, -2)
