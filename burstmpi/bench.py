@@ -126,6 +126,10 @@ def _choices(value, allowed):
     return list(allowed) if value == "all" else [value]
 
 
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def _blas_threads(comm):
     """Cap BLAS threads so the ranks on one node do not oversubscribe its cores.
 
@@ -138,13 +142,13 @@ def _blas_threads(comm):
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_here = local.Get_size()
     local.Free()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = _cores()
     share = max(1, cores // ranks_here)
     now = max([p.get("num_threads", 1) for p in threadpool_info() if p.get("user_api") == "blas"],
               default=1)
     limiter = threadpool_limits(limits=share, user_api="blas") if now > share else None
     return limiter, (f"#  BLAS threads per rank: {min(now, share)} ({cores} cores, "
-                     f"{ranks_here} ranks on rank 0's node)")
+                     f"{ranks_here} ranks on rank 0's node); torch, when asked for, gets {cores}")
 
 
 def _say(comm, *lines):
@@ -207,12 +211,15 @@ def _torch_times(comm, cfg, local, iters):
         import torch
         import torch.nn.functional as F
 
-        tdt = getattr(torch, cfg["dtype"])
+        # The other ranks sleep meanwhile: give torch every core this process may use
+        # (under mpiexec torch otherwise starts with a single thread).
+        torch.set_num_threads(_cores())
 
         def t(x):
             a = x.view(np.int16) if cfg["dtype"] == "bfloat16" else x
             tt = torch.from_numpy(np.ascontiguousarray(a))
-            return (tt.view(torch.bfloat16) if cfg["dtype"] == "bfloat16" else tt).transpose(1, 2).to(tdt)
+            # torch's attention wants (B, heads, N, d); give it a contiguous copy, its fast path.
+            return (tt.view(torch.bfloat16) if cfg["dtype"] == "bfloat16" else tt).transpose(1, 2).contiguous()
 
         q, k, v, do = (t(x) for x in glob)
         gqa = dict(enable_gqa=True) if cfg["kv_heads"] != cfg["heads"] else {}

@@ -66,6 +66,18 @@ class _Timer:
         return out
 
 
+def _steps(plan, chan, sched, timer):
+    """Yield the ring steps, posting each step's transfer before its compute and
+    waiting after it: the double-buffering rhythm of every phase."""
+    for t in range(plan.nranks):
+        more = t < plan.nranks - 1
+        if more:
+            chan.post(send=sched.send[t], recv=sched.recv[t])
+        yield t
+        if more:
+            timer.run("wait", chan.wait)
+
+
 def _rows(x, Zkv):
     """(B, C, Z, d) -> (B, Zkv, C, g, d) view: query heads grouped under their KV head."""
     B, C, Z, d = x.shape
@@ -103,17 +115,12 @@ def forward(plan, q, k, v, dims):
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qpos = plan.layout.positions(plan.rank)
-    for t in range(plan.nranks):
-        more = t < plan.nranks - 1
-        if more:
-            chan.post(send=sched.send[t], recv=sched.recv[t])
+    for t in _steps(plan, chan, sched, timer):
         if sched.compute[t]:
             cur = chan.current
             timer.run("compute", be.fwd_block, q_rows, cur["k"], cur["v"], state, qpos,
                       plan.layout.positions(sched.owners[t]), plan.window, plan.scale,
                       poll=chan.progress)
-        if more:
-            timer.run("wait", chan.wait)
     out_rows, lse_rows = be.fwd_finalize(state)
     del state
     out = _from_rows(xp, out_rows, q.dtype)
@@ -149,10 +156,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
         view[...] = travelling[name]
 
     here = plan.layout.positions(plan.rank)
-    for t in range(plan.nranks):
-        more = t < plan.nranks - 1
-        if more:
-            chan.post(send=sched.send[t], recv=sched.recv[t])
+    for t in _steps(plan, chan, sched, timer):
         if sched.partial_recv[t]:
             part.post_recv()
         there = plan.layout.positions(sched.owners[t])
@@ -171,8 +175,6 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
                 for name, view in timer.run("wait", part.received).items():
                     target[name] += view
             part.post_send()
-        if more:
-            timer.run("wait", chan.wait)
     if sched.partial_home:
         part.post_recv()
         for name, view in timer.run("wait", part.received).items():
