@@ -14,8 +14,8 @@ forward+backward times in ms and TFLOP/s per rank (FLOPs by flash-attn's convent
 forward 4 B Z N^2 d, halved when causal, backward 2.5x forward; per rank = total / P /
 time); "TF/s all" is the whole job's rate; MB/rk is what one rank sent in the forward and
 the backward (max over ranks); skip is ring steps skipped (sum over ranks); #wrong counts
-elements of out, lse and dq on sampled query rows outside the dtype's tolerance against
-float64. The job exits non-zero if any #wrong is non-zero. With --torch, rank 0 also
+values outside the dtype's tolerance against float64: out, lse and dq on 64 sampled query
+rows, and dk, dv on the same sampled key rows (given the forward's lse and out). The job exits non-zero if any #wrong is non-zero. With --torch, rank 0 also
 runs PyTorch's scaled_dot_product_attention on the whole global problem (with all the
 threads torch takes), and ``vs torch`` is our aggregate TFLOP/s over torch's. With
 --trace-memory, a first forward and backward on a fresh plan are traced: "oper MB" is
@@ -183,24 +183,39 @@ def _time(comm, fn):
     return time.perf_counter() - t0, result
 
 
-def _count_wrong(comm, cfg, local, out, lse, dq, window, layout_obj_positions):
-    """Elements of out, lse, dq on sampled rows that miss float64 (summed over ranks)."""
+def _count_wrong(comm, cfg, local, out, lse, grads, window, positions):
+    """Values that miss float64 on sampled rows (summed over ranks).
+
+    Query rows: out, lse and dq against an exact float64 forward and backward. Key rows:
+    dk and dv against float64 given the forward's lse and out (checked just before), so
+    a fault in the backward's ring shows up on its own.
+    """
+    layout = cfg["layout"]
     q, k, v, do = local
-    kg, vg = unshard(k, layout=cfg["layout"]), unshard(v, layout=cfg["layout"])
+    dq, dk, dv = grads
+    kg, vg = unshard(k, layout=layout), unshard(v, layout=layout)
+    qg, dog = unshard(q, layout=layout), unshard(do, layout=layout)
+    lse_g = unshard(lse, layout=layout, axis=2)
+    delta = (np.asarray(do, np.float64) * np.asarray(out, np.float64)).sum(axis=-1).transpose(0, 2, 1)
+    delta_g = unshard(np.ascontiguousarray(delta), layout=layout, axis=2)
     N = cfg["seqlen"]
     sample = np.unique(np.linspace(0, N - 1, min(CHECK_ROWS, N)).astype(np.int64))
-    pos = layout_obj_positions
-    mine = np.nonzero(np.isin(pos, sample))[0]
-    wrong = 0
+    mine = np.nonzero(np.isin(positions, sample))[0]
+    atol, rtol = TOLERANCE[cfg["dtype"]]
+    opts = dict(causal=bool(cfg["causal"]), window=window)
+
+    def wrong(ours, ref):
+        ours = np.asarray(ours, dtype=np.float64)
+        return int((~(np.abs(ours - ref) <= atol + rtol * np.abs(ref))).sum())  # NaN is wrong
+
+    bad = 0
     if mine.size:
-        o_ref, l_ref, dq_ref = reference.rows(q[:, mine], kg, vg, do[:, mine], pos[mine],
-                                              causal=bool(cfg["causal"]), window=window)
-        atol, rtol = TOLERANCE[cfg["dtype"]]
-        for ours, ref in ((out[:, mine], o_ref), (lse[:, :, mine], l_ref), (dq[:, mine], dq_ref)):
-            ours = np.asarray(ours, dtype=np.float64)
-            bad = ~(np.abs(ours - ref) <= atol + rtol * np.abs(ref))  # NaN counts as wrong
-            wrong += int(bad.sum())
-    return comm.allreduce(wrong, op=MPI.SUM)
+        o_ref, l_ref, dq_ref = reference.rows(q[:, mine], kg, vg, do[:, mine], positions[mine], **opts)
+        dk_ref, dv_ref = reference.key_rows(qg, k[:, mine], v[:, mine], dog, lse_g, delta_g,
+                                            positions[mine], **opts)
+        bad = (wrong(out[:, mine], o_ref) + wrong(lse[:, :, mine], l_ref) + wrong(dq[:, mine], dq_ref)
+               + wrong(dk[:, mine], dk_ref) + wrong(dv[:, mine], dv_ref))
+    return comm.allreduce(bad, op=MPI.SUM)
 
 
 def _torch_times(comm, cfg, local, iters):
@@ -324,8 +339,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     row["fwdbwd_tflops_all"] = row["fwdbwd_tflops"] * P
     row.update(memory)
     if check:
-        positions = plan.layout.positions(rank)
-        row["wrong"] = _count_wrong(comm, row, local, out, lse, grads[0], window, positions)
+        row["wrong"] = _count_wrong(comm, row, local, out, lse, grads, window,
+                                    plan.layout.positions(rank))
     if use_torch:
         t_f, t_fb = _torch_times(comm, row, local, iters)
         t_f, t_fb = comm.bcast((t_f, t_fb), root=0)

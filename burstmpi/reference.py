@@ -12,7 +12,7 @@ import numpy as np
 from .interop import bfloat16
 from .masks import Window
 
-__all__ = ["visible", "forward", "backward", "rows", "random_problem"]
+__all__ = ["visible", "forward", "backward", "rows", "key_rows", "random_problem"]
 
 
 def visible(qpos, kpos, causal=False, window=None):
@@ -94,29 +94,82 @@ def backward(dout, q, k, v, *, causal=False, window=None, softmax_scale=None, pr
     return dq.transpose(0, 2, 1, 3), fold(dk), fold(dv)
 
 
+CHUNK = 4096  # sequence rows per block in the sampled references: memory O(R * CHUNK)
+
+
+def _chunks(n):
+    return [(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
+
+
 def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softmax_scale=None):
     """Float64 (out, lse, dq) of a few query rows at global ``positions`` of the sequence.
 
     ``q_rows``/``dout_rows`` are (B, R, Z, d|dv) for those rows only; ``k``, ``v`` are
-    global. Costs O(R * N) memory, so the bench can check any length.
+    global. Keys are visited in blocks (three passes: max, sums, dq), so memory is
+    O(R * CHUNK) whatever the length: the bench can check any problem it can run.
     """
     B, R, Z, d = q_rows.shape
     N = k.shape[1]
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
     qh = np.asarray(q_rows, dtype=np.float64).transpose(0, 2, 1, 3)
     doh = np.asarray(dout_rows, dtype=np.float64).transpose(0, 2, 1, 3)
-    kh, vh = _expand(np.asarray(k, dtype=np.float64), Z), _expand(np.asarray(v, dtype=np.float64), Z)
-    s = (qh @ kh.swapaxes(-1, -2)) * scale
-    s = np.where(visible(positions, np.arange(N), causal, window), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    p /= l
-    o = p @ vh
-    dp = doh @ vh.swapaxes(-1, -2)
-    ds = p * (dp - (doh * o).sum(axis=-1, keepdims=True))
-    dq = (ds @ kh) * scale
-    return o.transpose(0, 2, 1, 3), (m + np.log(l))[..., 0], dq.transpose(0, 2, 1, 3)
+
+    def block(a, b):
+        kh = _expand(np.asarray(k[:, a:b], dtype=np.float64), Z)
+        vh = _expand(np.asarray(v[:, a:b], dtype=np.float64), Z)
+        s = (qh @ kh.swapaxes(-1, -2)) * scale
+        return np.where(visible(positions, np.arange(a, b), causal, window), s, -np.inf), kh, vh
+
+    m = np.full(qh.shape[:-1] + (1,), -np.inf)
+    for a, b in _chunks(N):
+        m = np.maximum(m, block(a, b)[0].max(axis=-1, keepdims=True))
+    l, o = np.zeros_like(m), 0.0
+    for a, b in _chunks(N):
+        s, _, vh = block(a, b)
+        p = np.exp(s - m)
+        l += p.sum(axis=-1, keepdims=True)
+        o = o + p @ vh
+    o = o / l
+    lse = m + np.log(l)
+    D = (doh * o).sum(axis=-1, keepdims=True)
+    dq = 0.0
+    for a, b in _chunks(N):
+        s, kh, vh = block(a, b)
+        p = np.exp(s - lse)
+        dq = dq + (p * (doh @ vh.swapaxes(-1, -2) - D)) @ kh
+    return o.transpose(0, 2, 1, 3), lse[..., 0], (dq * scale).transpose(0, 2, 1, 3)
+
+
+def key_rows(q, k_rows, v_rows, dout, lse, delta, positions, *, causal=False, window=None,
+             softmax_scale=None):
+    """Float64 (dk, dv) of a few key rows at global ``positions``, given every query's
+    ``lse`` and ``delta`` = rowsum(dout * out), both (B, Z, N).
+
+    Checks the backward on its own: the forward's lse and out are taken as given (they
+    are checked separately). Queries are visited in blocks; memory is O(R * CHUNK).
+    """
+    B, N, Z, d = q.shape
+    Zkv = k_rows.shape[2]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    kh = _expand(np.asarray(k_rows, dtype=np.float64), Z)
+    vh = _expand(np.asarray(v_rows, dtype=np.float64), Z)
+    dk, dv = 0.0, 0.0
+    for a, b in _chunks(N):
+        qh = np.asarray(q[:, a:b], dtype=np.float64).transpose(0, 2, 1, 3)
+        doh = np.asarray(dout[:, a:b], dtype=np.float64).transpose(0, 2, 1, 3)
+        s = (qh @ kh.swapaxes(-1, -2)) * scale
+        s = np.where(visible(np.arange(a, b), positions, causal, window), s, -np.inf)
+        lse_b = np.asarray(lse[:, :, a:b], dtype=np.float64)[..., None]
+        p = np.exp(s - np.where(np.isfinite(lse_b), lse_b, np.inf))
+        dv = dv + p.swapaxes(-1, -2) @ doh
+        ds = p * (doh @ vh.swapaxes(-1, -2) - np.asarray(delta[:, :, a:b], dtype=np.float64)[..., None])
+        dk = dk + ds.swapaxes(-1, -2) @ qh
+    R = k_rows.shape[1]
+
+    def fold(x):
+        return x.reshape(B, Zkv, Z // Zkv, R, -1).sum(axis=2).transpose(0, 2, 1, 3)
+
+    return fold(dk * scale), fold(dv)
 
 
 def random_problem(B, N, Z, Zkv, d, dv=None, dtype=np.float32, seed=0):

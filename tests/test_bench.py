@@ -40,14 +40,23 @@ def test_bench_table_json_and_exit_code(tmp_path):
             assert rows[0]["fwd_mb_sent"] > 0
 
 
-def test_bench_fails_loudly_on_wrong_results(monkeypatch):
-    real = burstmpi.BurstAttention.forward
-
+def _break_forward(real):
     def broken(self, q, k, v):
         out, lse = real(self, q, k, v)
         return out + np.float32(0.01), lse
+    return broken
 
-    monkeypatch.setattr(burstmpi.BurstAttention, "forward", broken)
+
+def _break_dk(real):
+    def broken(self, *args):
+        dq, dk, dv = real(self, *args)
+        return dq, dk * np.float32(1.01), dv
+    return broken
+
+
+@pytest.mark.parametrize("method,breaker", [("forward", _break_forward), ("backward", _break_dk)])
+def test_bench_fails_loudly_on_wrong_results(monkeypatch, method, breaker):
+    monkeypatch.setattr(burstmpi.BurstAttention, method, breaker(getattr(burstmpi.BurstAttention, method)))
     res = CliRunner().invoke(main, SMALL + ["-m", "none"])
     assert res.exit_code == 1
     if RANK == 0:
