@@ -82,13 +82,15 @@ def _packet(fields, alloc):
 class Channel:
     """Two copies of one packet circulating around the ring."""
 
-    copies = 2
+    copies = 2  # buffers of the packet's size, with more than one rank
 
-    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc):
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
-        self._bufs = [_packet(fields, alloc), _packet(fields, alloc)]
-        self.nbytes = self._bufs[0][0].nbytes
+        first = _packet(fields, alloc)
+        # A ring of one rank never receives: its spare would never be used.
+        self._bufs = [first, first if single else _packet(fields, alloc)]
+        self.nbytes = first[0].nbytes
         self._cur = 0
         self._pending = None
         self.bytes_sent = self.bytes_recv = 0
@@ -132,11 +134,12 @@ class PartialChannel:
 
     copies = 3  # one receive buffer, two alternating send buffers
 
-    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc):
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
         self._recv = _packet(fields, alloc)
-        self._send = [_packet(fields, alloc), _packet(fields, alloc)]
+        # A ring of one rank has no partials at all: share one (unused) buffer.
+        self._send = [self._recv] * 2 if single else [_packet(fields, alloc), _packet(fields, alloc)]
         self._send_reqs = [None, None]
         self._next = 0
         self._recv_req = None

@@ -35,7 +35,6 @@ class Window:
             right = 0
         self.lo = UNBOUNDED if left < 0 else int(left)
         self.hi = UNBOUNDED if right < 0 else int(right)
-        self.causal = bool(causal)
         self.dense = self.lo == UNBOUNDED and self.hi == UNBOUNDED
 
     @classmethod
@@ -45,10 +44,6 @@ class Window:
         win.lo, win.hi = lo, hi
         win.dense = lo == UNBOUNDED and hi == UNBOUNDED
         return win
-
-    def as_tuple(self):
-        """Return (left, right) in flash-attn's convention (-1 = unbounded)."""
-        return (-1 if self.lo == UNBOUNDED else self.lo, -1 if self.hi == UNBOUNDED else self.hi)
 
 
 def _runs_interact(qrun, krun, win):

@@ -150,7 +150,8 @@ class BurstAttention:
                                 for cls, fields, tag in specs))
         cached = self._channels.get(phase)
         if cached is None or cached[0] != key:
-            need = sum(cls.copies * ring.nbytes(fields) for cls, fields, _ in specs)
+            single = self.nranks == 1
+            need = sum((1 if single else cls.copies) * ring.nbytes(fields) for cls, fields, _ in specs)
             if self._arena is None or self._arena.nbytes < need:
                 self._channels.clear()  # they view the old arena; let it go
                 self._arena = None
@@ -164,7 +165,8 @@ class BurstAttention:
 
             send_to = (self.rank + direction) % self.nranks
             recv_from = (self.rank - direction) % self.nranks
-            chans = [cls(self.transport, fields, send_to=send_to, recv_from=recv_from, tag=tag, alloc=carve)
+            chans = [cls(self.transport, fields, send_to=send_to, recv_from=recv_from, tag=tag,
+                         alloc=carve, single=single)
                      for cls, fields, tag in specs]
             cached = self._channels[phase] = (key, chans)
         for c in cached[1]:
