@@ -51,7 +51,7 @@ def mpiexec(n, args, timeout, **env_extra):
 
 @pytest.mark.parametrize("n", RANKS)
 def test_suite_under_mpiexec(n, tmp_path):
-    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE], timeout=900,
+    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE], timeout=600,
                             BURSTMPI_REPORT_DIR=str(tmp_path))
     assert rc == 0, f"mpiexec -n {n} pytest failed (exit {rc}):\n{out[-6000:]}"
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)
