@@ -60,7 +60,7 @@ class MPITransport:
         MPI.Request.Waitall(requests)
 
     @staticmethod
-    def test(requests):
+    def progress(requests):
         # Without an asynchronous progress thread MPI moves a large message only inside
         # MPI calls, so the compute loop pokes it between tiles to keep the overlap real.
         return MPI.Request.Testall(requests)
@@ -115,7 +115,7 @@ class Channel:
 
     def progress(self):
         if self._pending and self._pending[0]:
-            self.transport.test(self._pending[0])
+            self.transport.progress(self._pending[0])
 
     def wait(self):
         """Wait for the posted transfers; a received packet becomes current."""
@@ -181,7 +181,7 @@ class PartialChannel:
     def progress(self):
         reqs = [r for r in (*self._send_reqs, self._recv_req) if r is not None]
         if reqs:
-            self.transport.test(reqs)
+            self.transport.progress(reqs)
 
     def drain(self):
         """Complete every outstanding send (at the end of a phase)."""

@@ -62,7 +62,7 @@ def check_close(name, ours, exact, plain, dtype):
     return err
 
 
-def run_case(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=False,
+def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=False,
              window=None, layout="contiguous", bwd_comm="burst", softmax_scale=None, seed=0,
              check_backward=True):
     """Run forward and backward on COMM_WORLD and check them against float64."""

@@ -9,7 +9,7 @@ import pytest
 import burstmpi
 from burstmpi import reference as ref
 
-from conftest import DTYPES, NRANKS, RANK, dtype_of, run_case
+from conftest import DTYPES, NRANKS, RANK, dtype_of, check_against_float64
 
 LAYOUTS = ["contiguous", "zigzag", "striped"]
 
@@ -18,47 +18,47 @@ LAYOUTS = ["contiguous", "zigzag", "striped"]
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("bwd_comm", ["burst", "ring"])
 def test_layouts_and_masks(layout, causal, bwd_comm):
-    run_case(layout=layout, causal=causal, bwd_comm=bwd_comm, C=26)
+    check_against_float64(layout=layout, causal=causal, bwd_comm=bwd_comm, C=26)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal,window", [(False, (3, 5)), (False, (0, 0)), (True, (17, -1)),
                                            (False, (-1, 4)), (True, (1, 0)), (False, (40, 2))])
 def test_sliding_windows(layout, causal, window):
-    run_case(layout=layout, causal=causal, window=window, C=22, bwd_comm="auto")
+    check_against_float64(layout=layout, causal=causal, window=window, C=22, bwd_comm="auto")
 
 
 @pytest.mark.parametrize("Z,Zkv", [(8, 8), (8, 2), (8, 1), (6, 3)])
 def test_gqa_and_mqa(Z, Zkv):
-    run_case(Z=Z, Zkv=Zkv, causal=True, layout="zigzag", bwd_comm="auto", C=18)
+    check_against_float64(Z=Z, Zkv=Zkv, causal=True, layout="zigzag", bwd_comm="auto", C=18)
 
 
 @pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 def test_head_dims(d):
-    run_case(d=d, Z=2, Zkv=1, C=12, causal=True)
+    check_against_float64(d=d, Z=2, Zkv=1, C=12, causal=True)
 
 
 def test_v_head_dim_differs():
-    run_case(d=64, dv=32, causal=True, bwd_comm="ring")
-    run_case(d=48, dv=80, window=(5, 5), bwd_comm="burst")
+    check_against_float64(d=64, dv=32, causal=True, bwd_comm="ring")
+    check_against_float64(d=48, dv=80, window=(5, 5), bwd_comm="burst")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_dtypes(dtype, causal):
-    run_case(dtype=dtype, causal=causal, d=64, C=20, layout="zigzag", bwd_comm="auto")
+    check_against_float64(dtype=dtype, causal=causal, d=64, C=20, layout="zigzag", bwd_comm="auto")
 
 
 @pytest.mark.parametrize("C", [1, 7, 37])
 def test_lengths_not_multiple_of_tile(C, monkeypatch):
     monkeypatch.setenv("BURSTMPI_TILE_Q", "16")
     monkeypatch.setenv("BURSTMPI_TILE_K", "5")
-    run_case(C=C, Z=4, Zkv=1, causal=True, bwd_comm="burst")
-    run_case(C=C, Z=4, Zkv=1, window=(6, 2), layout="striped", bwd_comm="ring")
+    check_against_float64(C=C, Z=4, Zkv=1, causal=True, bwd_comm="burst")
+    check_against_float64(C=C, Z=4, Zkv=1, window=(6, 2), layout="striped", bwd_comm="ring")
 
 
 def test_batch_and_scale():
-    run_case(B=3, softmax_scale=0.37, causal=True, layout="striped")
+    check_against_float64(B=3, softmax_scale=0.37, causal=True, layout="striped")
 
 
 def test_burst_and_ring_backward_agree():

@@ -25,7 +25,7 @@ class Loopback:
             if r[0] == "recv":
                 r[2][...] = self.queue[r[1]].pop(0)
 
-    def test(self, reqs):
+    def progress(self, reqs):
         return False
 
 
