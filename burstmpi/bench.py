@@ -15,7 +15,8 @@ forward 4 B Z N^2 d, halved when causal, backward 2.5x forward; per rank = total
 time); "TF/s all" is the whole job's rate; MB/rk is what one rank sent in the forward and
 the backward (max over ranks); skip is ring steps skipped (sum over ranks); #wrong counts
 values outside the dtype's tolerance against float64: out, lse and dq on 64 sampled query
-rows, and dk, dv on the same sampled key rows (given the forward's lse and out). The job exits non-zero if any #wrong is non-zero. With --torch, rank 0 also
+rows, and dk, dv on the same sampled key rows (given the forward's lse and out). The job
+exits non-zero if any #wrong is non-zero. With --torch, rank 0 also
 runs PyTorch's scaled_dot_product_attention on the whole global problem (with all the
 threads torch takes), and ``vs torch`` is our aggregate TFLOP/s over torch's. With
 --trace-memory, a first forward and backward on a fresh plan are traced: "oper MB" is
@@ -322,12 +323,13 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     fb_s = float(red([a + b for a, b in zip(all_f, all_b)]))
     row = dict(cfg)
     row.pop("bwd_comm")
+    fl = {phase: flops(B, N, Z, d, cfg["causal"], phase, window) for phase in ("fwd", "bwd", "fwdbwd")}
     row.update(
         bwd_mode=st.bwd_mode, ranks=P,
         fwd_ms=1e3 * tf_s, bwd_ms=1e3 * tb_s, fwdbwd_ms=1e3 * fb_s,
-        fwd_tflops=flops(B, N, Z, d, cfg["causal"], "fwd", window) / P / tf_s / 1e12,
-        bwd_tflops=flops(B, N, Z, d, cfg["causal"], "bwd", window) / P / tb_s / 1e12,
-        fwdbwd_tflops=flops(B, N, Z, d, cfg["causal"], "fwdbwd", window) / P / fb_s / 1e12,
+        fwd_tflops=fl["fwd"] / P / tf_s / 1e12,
+        bwd_tflops=fl["bwd"] / P / tb_s / 1e12,
+        fwdbwd_tflops=fl["fwdbwd"] / P / fb_s / 1e12,
         fwd_mb_sent=comm.allreduce(st.forward.bytes_sent, op=MPI.MAX) / 1e6,
         bwd_mb_sent=comm.allreduce(st.backward.bytes_sent, op=MPI.MAX) / 1e6,
         steps_skipped=comm.allreduce(st.forward.steps_skipped, op=MPI.SUM),
@@ -344,8 +346,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     if use_torch:
         t_f, t_fb = _torch_times(comm, row, local, iters)
         t_f, t_fb = comm.bcast((t_f, t_fb), root=0)
-        row["torch_fwd_tflops"] = flops(B, N, Z, d, cfg["causal"], "fwd", window) / t_f / 1e12
-        row["torch_fwdbwd_tflops"] = flops(B, N, Z, d, cfg["causal"], "fwdbwd", window) / t_fb / 1e12
+        row["torch_fwd_tflops"] = fl["fwd"] / t_f / 1e12
+        row["torch_fwdbwd_tflops"] = fl["fwdbwd"] / t_fb / 1e12
         row["vs_torch_fwd"] = row["fwd_tflops"] * P / row["torch_fwd_tflops"]
         row["vs_torch_fwdbwd"] = row["fwdbwd_tflops_all"] / row["torch_fwdbwd_tflops"]
     return row

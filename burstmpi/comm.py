@@ -82,15 +82,18 @@ def _packet(fields, alloc):
 class Channel:
     """Two copies of one packet circulating around the ring."""
 
-    copies = 2  # buffers of the packet's size, with more than one rank
+    @staticmethod
+    def copies(single):
+        """Packet-sized buffers it allocates: a ring of one rank never receives, so its
+        spare would never be used."""
+        return 1 if single else 2
 
     def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
-        first = _packet(fields, alloc)
-        # A ring of one rank never receives: its spare would never be used.
-        self._bufs = [first, first if single else _packet(fields, alloc)]
-        self.nbytes = first[0].nbytes
+        bufs = [_packet(fields, alloc) for _ in range(self.copies(single))]
+        self._bufs = bufs * 2 if single else bufs  # current and spare
+        self.nbytes = bufs[0][0].nbytes
         self._cur = 0
         self._pending = None
         self.bytes_sent = self.bytes_recv = 0
@@ -132,14 +135,19 @@ class Channel:
 class PartialChannel:
     """A gradient partial travelling one ring step behind its packet."""
 
-    copies = 3  # one receive buffer, two alternating send buffers
+    @staticmethod
+    def copies(single):
+        """Partial-sized buffers it allocates: one receive and two alternating sends; a
+        ring of one rank has no partials, so one (unused) buffer stands for all three."""
+        return 1 if single else 3
 
     def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
-        self._recv = _packet(fields, alloc)
-        # A ring of one rank has no partials at all: share one (unused) buffer.
-        self._send = [self._recv] * 2 if single else [_packet(fields, alloc), _packet(fields, alloc)]
+        bufs = [_packet(fields, alloc) for _ in range(self.copies(single))]
+        if single:
+            bufs = bufs * 3
+        self._recv, self._send = bufs[0], bufs[1:3]
         self._send_reqs = [None, None]
         self._next = 0
         self._recv_req = None

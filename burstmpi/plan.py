@@ -151,7 +151,7 @@ class BurstAttention:
         cached = self._channels.get(phase)
         if cached is None or cached[0] != key:
             single = self.nranks == 1
-            need = sum((1 if single else cls.copies) * ring.nbytes(fields) for cls, fields, _ in specs)
+            need = sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, _ in specs)
             if self._arena is None or self._arena.nbytes < need:
                 self._channels.clear()  # they view the old arena; let it go
                 self._arena = None
