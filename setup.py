@@ -21,7 +21,11 @@ INSTALL_REQUIRES = [
 EXTRAS_REQUIRE = {
     # A pip-only MPI (wheel). Clusters keep their own MPI and leave this out.
     "mpich": ["mpich"],
-    "test": ["pytest>=7", "pytest-timeout>=2", "mpich"],
+    # NVRTC from pip (no GPU needed) for the kernels' compile check; the emulated kernel
+    # tests need a C++ compiler (g++) from the system. Both skip cleanly when missing.
+    "test": ["pytest>=7", "pytest-timeout>=2", "mpich",
+             "cuda-bindings>=13,<14; platform_system == 'Linux'",
+             "nvidia-cuda-nvrtc>=13,<14; platform_system == 'Linux'"],
     # The design card's GPU stack (the CUDA runtime itself lands with the GPU issue).
     "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
 }
@@ -37,7 +41,11 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",
-    packages=find_packages(include=["burstmpi", "burstmpi.*"]),
+    # cuda/ (the kernel sources) installs as burstmpi/cuda, where burstmpi.kernels looks
+    # first; a checkout uses the top-level folder itself.
+    packages=find_packages(include=["burstmpi", "burstmpi.*"]) + ["burstmpi.cuda"],
+    package_dir={"burstmpi.cuda": "cuda"},
+    package_data={"burstmpi.cuda": ["*.cu", "*.cuh", "README.md"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points=ENTRY_POINTS,

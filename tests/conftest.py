@@ -32,6 +32,8 @@ ATOL = {"float64": 1e-13, "float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-3}
 # the runs under mpiexec: both reported at the end of the session.
 WORST = {}
 MULTIRANK = []
+# (title, lines) blocks that tests add for the end of the session (compile check, seeded mistakes).
+REPORTS = []
 
 
 def needs_ranks(n):
@@ -105,3 +107,7 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"  {dt:9s} {name:4s} {err:.3e}")
     for summary in MULTIRANK:
         terminalreporter.write_line(summary)
+    for title, lines in REPORTS:
+        terminalreporter.write_line(f"{title}:")
+        for line in lines:
+            terminalreporter.write_line(line)

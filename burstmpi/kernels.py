@@ -1,0 +1,395 @@
+"""The CUDA kernels of cuda/: their source, compile options, configurations and launches.
+
+One function, :func:`program`, turns ``cuda/`` into a single self-contained source and
+its NVRTC options. The GPU backend hands both to ``cupy.RawModule`` (through
+:func:`module`, memoized per device; CuPy's own cache keeps the compiled code, in memory
+and in ``~/.cupy/kernel_cache``), the CI compile check to NVRTC for sm_80 and sm_90
+(:func:`compile_report`), and the CPU emulator of ``tests/`` to g++. Inlining our headers
+into the source matters: CuPy's cache key is the source text, so an edited header
+can never leave a stale kernel behind.
+
+A launch is described once, as plain data (:class:`Launch`: kernel name, grid, block,
+dynamic shared memory and typed scalar arguments in the kernel's parameter order), and
+run by whoever holds the device: CuPy on a GPU, ctypes on the emulator.
+"""
+
+import functools
+import re
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+__all__ = ["HEAD_DIMS", "DTYPES", "ARCHS", "Strided", "Launch", "program", "module",
+           "kernel_names", "config", "fwd", "fwd_finalize", "bwd_preprocess", "bwd_dq",
+           "bwd_dkdv", "compile_report"]
+
+# (QK head dim, V head dim) pairs with kernels; each is compiled and checked in CI.
+# Adding one: append it here, run `python -m burstmpi.kernels` (no spills allowed) and the
+# emulated tests (tests/test_kernels_emulated.py); cuda/README.md has the details.
+HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+DTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
+ARCHS = ("sm_80", "sm_90")
+# Largest dynamic shared memory per block (opt-in), bytes: A100 and H100/H200.
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+ENTRY_FILES = ("attn_fwd.cu", "attn_bwd.cu")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def source_dir():
+    """The folder holding the .cu/.cuh files: installed package data, else the checkout's."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cuda", here.parent / "cuda"):
+        if (cand / ENTRY_FILES[0]).is_file():
+            return cand
+    raise FileNotFoundError(f"burstmpi: CUDA sources not found next to {here}")
+
+
+def _inline(path, seen, out):
+    """Append ``path`` to ``out`` with its quoted includes inlined once (#pragma once)."""
+    if path.name in seen:
+        return
+    seen.add(path.name)
+    out.append(f'#line 1 "{path.name}"')
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        m = _INCLUDE.match(line)
+        if m:
+            _inline(path.parent / m.group(1), seen, out)
+            out.append(f'#line {n + 1} "{path.name}"')
+        elif line.strip() != "#pragma once":
+            out.append(line)
+
+
+@functools.lru_cache(maxsize=None)
+def program(arch=None):
+    """Return (source, options) of the whole kernel library.
+
+    ``arch`` ("sm_80", "sm_90", ...) adds ``--gpu-architecture``; CuPy picks the
+    architecture of the device itself, so the run-time path passes None.
+    """
+    out, seen = [], set()
+    for name in ENTRY_FILES:
+        _inline(source_dir() / name, seen, out)
+    options = ("-std=c++17",)
+    if arch is not None:
+        options += (f"--gpu-architecture={arch}",)
+    return "\n".join(out) + "\n", options
+
+
+# -- configurations ----------------------------------------------------------------------
+
+class Config(NamedTuple):
+    """Template parameters beyond (dtype, head dims): warps per block and the tile the
+    block loops over (keys in the forward and dQ kernels, queries in dK/dV)."""
+    warps: int
+    bn: int
+
+
+def _check_dims(dtype, d, dv):
+    if dtype not in DTYPES:
+        raise ValueError(f"burstmpi.kernels: dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    if (d, dv) not in HEAD_DIMS:
+        raise ValueError(f"burstmpi.kernels: head dims (qk, v): expected one of {list(HEAD_DIMS)}, "
+                         f"got {(d, dv)}")
+
+
+def _pad(dtype):
+    return 16 // _itemsize(dtype)
+
+
+def _itemsize(dtype):
+    return 4 if dtype == "float32" else 2
+
+
+def smem_bytes(kind, dtype, d, dv, cfg):
+    """Dynamic shared memory of a kernel, mirroring the layout at the top of its source."""
+    e, pad = _itemsize(dtype), _pad(dtype)
+    bm, bn = 16 * cfg.warps, cfg.bn
+    qk = lambda rows: rows * (d + pad) * e
+    vv = lambda rows: rows * (dv + pad) * e
+    scratch = 0 if dtype != "float32" else cfg.warps * 16 * (bn + 4) * 4
+    if kind == "fwd":
+        return qk(bm + bn) + vv(bn) + scratch
+    if kind == "dq":
+        return qk(bm + bn) + vv(bm + bn) + scratch
+    if kind == "dkdv":
+        return qk(bm + bn) + vv(bm + bn) + 2 * bn * 4 + scratch
+    raise ValueError(f"kind: expected 'fwd', 'dq' or 'dkdv', got {kind!r}")
+
+
+def config(kind, dtype, d, dv, smem_limit=SMEM_LIMIT["sm_80"]):
+    """The configuration of a tiled kernel: the first preference that fits ``smem_limit``.
+
+    Preferences keep each warp's fragments within the register file (the compile check
+    fails on any spill): 64-key tiles for the tensor-core forward up to head dim 128,
+    32-row tiles otherwise.
+    """
+    _check_dims(dtype, d, dv)
+    wide = kind == "fwd" and dtype != "float32" and max(d, dv) <= 128
+    prefs = ([Config(4, 64)] if wide else []) + [Config(4, 32), Config(2, 32), Config(2, 16)]
+    for cfg in prefs:
+        if smem_bytes(kind, dtype, d, dv, cfg) <= smem_limit:
+            return cfg
+    raise ValueError(f"burstmpi.kernels: no {kind} configuration for {dtype} head dims {(d, dv)} "
+                     f"fits {smem_limit} bytes of shared memory")
+
+
+def dkdv_parts(d, dv):
+    """PART values of the dK/dV launches: one launch (0), or dV (1) then dK (2) when a
+    thread cannot hold both accumulators (D/2 + DV/2 fp32 registers) without spilling."""
+    return (0,) if d + dv <= 320 else (1, 2)
+
+
+def _tiled_name(kind, dtype, d, dv, cfg, part=0):
+    fn = {"fwd": "burst_fwd", "dq": "burst_bwd_dq", "dkdv": "burst_bwd_dkdv"}[kind]
+    extra = f", {part}" if kind == "dkdv" else ""
+    return f"{fn}<{DTYPES[dtype]}, {d}, {dv}, {cfg.warps}, {cfg.bn}{extra}>"
+
+
+def kernel_names(dtype, d, dv, smem_limit=SMEM_LIMIT["sm_80"]):
+    """Name expressions of the kernels of one (dtype, head dims)."""
+    cfg = functools.partial(config, dtype=dtype, d=d, dv=dv, smem_limit=smem_limit)
+    tiled = [_tiled_name("fwd", dtype, d, dv, cfg("fwd")), _tiled_name("dq", dtype, d, dv, cfg("dq"))]
+    tiled += [_tiled_name("dkdv", dtype, d, dv, cfg("dkdv"), part) for part in dkdv_parts(d, dv)]
+    return tuple(tiled + [f"burst_fwd_finalize<{DTYPES[dtype]}, {dv}>",
+                          f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>"])
+
+
+@functools.lru_cache(maxsize=None)
+def module(device_id, dtype, d, dv):
+    """The ``cupy.RawModule`` holding one (dtype, head dims)'s kernels on a device.
+
+    Memoized per device: a lookup after the first is a dictionary hit, and CuPy's cache
+    makes a new process's first compile a disk read.
+    """
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        src, options = program()
+        mod = cupy.RawModule(code=src, options=options,
+                             name_expressions=kernel_names(dtype, d, dv, _device_smem(device_id)))
+        mod.compile()
+        return mod
+
+
+def _device_smem(device_id):
+    import cupy
+
+    attrs = cupy.cuda.Device(device_id).attributes
+    return attrs["MaxSharedMemoryPerBlockOptin"]
+
+
+# -- launches ------------------------------------------------------------------------------
+
+class Strided(NamedTuple):
+    """A tensor argument: its address and element strides over (batch, token, head); the
+    last (feature) axis is contiguous."""
+    ptr: int
+    sb: int
+    st: int
+    sh: int
+
+
+class Launch(NamedTuple):
+    """One kernel launch as plain data. ``args`` are (kind, value) in parameter order:
+    kind "p" a device pointer, "q" int64, "i" int32, "f" float32."""
+    kernel: str
+    grid: tuple
+    block: tuple
+    smem: int
+    args: tuple
+
+
+def _aligned(fn, name, t, dtype):
+    """Rows that cp.async copies must start on 16-byte boundaries."""
+    e = _itemsize(dtype)
+    bad = [s for s in (t.sb, t.st, t.sh) if (s * e) % 16]
+    if t.ptr % 16 or bad:
+        raise ValueError(f"burstmpi.kernels.{fn}: {name}: expected 16-byte aligned rows "
+                         f"(address and every stride x {e} bytes a multiple of 16), "
+                         f"got address {t.ptr:#x} and strides {tuple(t[1:])}")
+
+
+def _strides(*tensors):
+    return tuple(("q", s) for t in tensors for s in t[1:])
+
+
+def _heads(fn, heads, kv_heads):
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"burstmpi.kernels.{fn}: heads: expected a multiple of kv_heads={kv_heads}, got {heads}")
+
+
+def _tiled(kind, dtype, d, dv, rows, heads, batch, smem_limit, part=0):
+    cfg = config(kind, dtype, d, dv, smem_limit)
+    bm = 16 * cfg.warps
+    grid = (-(-rows // bm), heads, batch)
+    return (_tiled_name(kind, dtype, d, dv, cfg, part), grid, (32 * cfg.warps, 1, 1),
+            smem_bytes(kind, dtype, d, dv, cfg))
+
+
+def _window(lo, hi, scale):
+    return (("q", int(lo)), ("q", int(hi)), ("f", float(scale)))
+
+
+def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qpos, kpos, batch, cq, ck, heads, kv_heads,
+        lo, hi, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+    """Merge one key block into the running state (acc, m, l) of cq query rows."""
+    _heads("fwd", heads, kv_heads)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _aligned("fwd", name, t, dtype)
+    name, grid, block, smem = _tiled("fwd", dtype, d, dv, cq, heads, batch, smem_limit)
+    args = (tuple(("p", t.ptr) for t in (q, k, v, acc, m, l)) + (("p", qpos), ("p", kpos))
+            + _strides(q, k, v, acc, m)
+            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
+    return Launch(name, grid, block, smem, args)
+
+
+def _rowwise(name, rows, ptrs, tensors, batch, c, heads):
+    args = tuple(("p", p) for p in ptrs) + _strides(*tensors) + (("i", batch), ("i", c), ("i", heads))
+    return Launch(name, (-(-rows // 4), 1, 1), (128, 1, 1), 0, args)
+
+
+def fwd_finalize(dtype, dv, *, out, lse, acc, m, l, batch, c, heads):
+    """out = acc / l (dtype) and lse = m + log(l) (fp32), per row."""
+    return _rowwise(f"burst_fwd_finalize<{DTYPES[dtype]}, {dv}>", batch * c * heads,
+                    (out.ptr, lse.ptr, acc.ptr, m.ptr, l.ptr), (out, lse, acc, m), batch, c, heads)
+
+
+def bwd_preprocess(dtype, dv, *, dsum, dout, out, batch, c, heads):
+    """D = rowsum(dout * out) in fp32."""
+    return _rowwise(f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>", batch * c * heads,
+                    (dsum.ptr, dout.ptr, out.ptr), (dsum, dout, out), batch, c, heads)
+
+
+def bwd_dq(dtype, d, dv, *, q, k, v, dout, lse, dsum, dq, qpos, kpos, batch, cq, ck, heads,
+           kv_heads, lo, hi, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+    """Add dS K (unscaled) for one (query block, key block) pair to dq (fp32)."""
+    _heads("bwd_dq", heads, kv_heads)
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        _aligned("bwd_dq", name, t, dtype)
+    if (lse.sb, lse.st, lse.sh) != (dsum.sb, dsum.st, dsum.sh):
+        raise ValueError("burstmpi.kernels.bwd_dq: dsum: expected the strides of lse "
+                         f"{tuple(lse[1:])}, got {tuple(dsum[1:])}")
+    name, grid, block, smem = _tiled("dq", dtype, d, dv, cq, heads, batch, smem_limit)
+    args = (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, dq)) + (("p", qpos), ("p", kpos))
+            + _strides(q, k, v, dout, lse, dq)
+            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
+    return Launch(name, grid, block, smem, args)
+
+
+def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kpos, batch, cq, ck,
+             heads, kv_heads, lo, hi, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+    """Add the dK (scaled) and dV of one (query block, key block) pair to dk, dv_ (fp32).
+
+    Returns a tuple of launches, to run in order (two for the largest head dims)."""
+    _heads("bwd_dkdv", heads, kv_heads)
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        _aligned("bwd_dkdv", name, t, dtype)
+    if (lse.sb, lse.st, lse.sh) != (dsum.sb, dsum.st, dsum.sh):
+        raise ValueError("burstmpi.kernels.bwd_dkdv: dsum: expected the strides of lse "
+                         f"{tuple(lse[1:])}, got {tuple(dsum[1:])}")
+    args = (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, dk, dv_)) + (("p", qpos), ("p", kpos))
+            + _strides(q, k, v, dout, lse, dk, dv_)
+            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
+    return tuple(Launch(*_tiled("dkdv", dtype, d, dv, ck, kv_heads, batch, smem_limit, part), args)
+                 for part in dkdv_parts(d, dv))
+
+
+# -- compile check -----------------------------------------------------------------------------
+
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def _nvrtc_check(result, what):
+    from cuda.bindings import nvrtc
+
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC {what}: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
+    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+
+def compile_report(arch):
+    """Compile every kernel of every (dtype, head dims) for ``arch`` with NVRTC and return
+    one dict per kernel: name, registers, stack, spill stores/loads, static and dynamic
+    shared memory. Needs ``cuda-bindings`` and an NVRTC library, not a GPU.
+
+    Raises RuntimeError with the compiler's log on a compile error.
+    """
+    from cuda.bindings import nvrtc
+
+    limit = SMEM_LIMIT[arch]
+    src, options = program(arch)
+    names, dyn = [], {}
+    for dtype in DTYPES:
+        for d, dv in HEAD_DIMS:
+            for kind in ("fwd", "dq", "dkdv"):
+                cfg = config(kind, dtype, d, dv, limit)
+                for part in (dkdv_parts(d, dv) if kind == "dkdv" else (0,)):
+                    dyn[_tiled_name(kind, dtype, d, dv, cfg, part)] = smem_bytes(kind, dtype, d, dv, cfg)
+            names += [n for n in kernel_names(dtype, d, dv, limit) if n not in names]
+    prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(src.encode(), b"burstmpi.cu", 0, [], []), "create")
+    try:
+        for n in names:
+            _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), "add name")
+        opts = [o.encode() for o in options + ("--ptxas-options=-v",)]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace").rstrip("\x00")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC failed to compile the kernels for {arch}:\n{log}")
+        lowered = {_nvrtc_check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), "lowered name").decode(): n
+                   for n in names}
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    rows, cur = {}, None
+    for line in log.splitlines():
+        if (m := _ENTRY.search(line)):
+            cur = rows.setdefault(lowered[m.group(1)], {"name": lowered[m.group(1)], "arch": arch})
+        elif cur is not None and (m := _FRAME.search(line)):
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif cur is not None and (m := _REGS.search(line)):
+            cur["registers"] = int(m.group(1))
+            s = _SMEM.search(line)
+            cur["smem_static"] = int(s.group(1)) if s else 0
+    missing = [n for n in names if n not in rows]
+    if missing:
+        raise RuntimeError(f"NVRTC's log has no resource usage for {missing}")
+    for name, row in rows.items():
+        row["smem_dynamic"] = dyn.get(name, 0)
+    return [rows[n] for n in names]
+
+
+def format_report(rows):
+    """The compile report as an aligned table, one kernel per line."""
+    lines = [f"{'arch':6s} {'kernel':48s} {'regs':>5s} {'stack':>6s} {'spill st':>9s} "
+             f"{'spill ld':>9s} {'smem':>7s} {'dyn smem':>9s}"]
+    for r in rows:
+        lines.append(f"{r['arch']:6s} {r['name']:48s} {r['registers']:5d} {r['stack']:6d} "
+                     f"{r['spill_stores']:9d} {r['spill_loads']:9d} {r['smem_static']:7d} "
+                     f"{r['smem_dynamic']:9d}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """``python -m burstmpi.kernels [ARCH ...]``: compile every kernel with NVRTC, print
+    registers, shared memory and spills; exit 1 on a compile error or any spill."""
+    archs = (argv if argv is not None else sys.argv[1:]) or list(ARCHS)
+    bad = 0
+    for arch in archs:
+        rows = compile_report(arch)
+        print(format_report(rows))
+        spills = [r["name"] for r in rows if r["spill_stores"] or r["spill_loads"]]
+        for name in spills:
+            print(f"# SPILL {arch} {name}")
+        bad += len(spills)
+    print(f"# {'FAILED' if bad else 'OK'}: {bad} kernel(s) spill")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+// Backward local attention of one ring step (FlashAttention-2's backward, split in two).
+//
+// The ring's backward moves Q, dO, D and lse (burst mode) or K and V (ring mode), never O:
+// these kernels rebuild P = exp(s - lse) from the forward's lse and use D = rowsum(dO * O),
+// computed once per rank by burst_bwd_preprocess.
+//
+// dQ and dK/dV are two kernels, each with exclusive ownership of what it writes, instead of
+// one kernel that adds dQ with atomics. That costs recomputing S and dP once more (7 tile
+// GEMMs instead of 5) and buys results that are bitwise reproducible and free of races
+// between blocks by construction (races an emulator could not see; tests/emulator).
+//
+// burst_bwd_preprocess<T, DV>
+//   grid ceil(rows / 4), block 128, one warp per (batch, token, head) row.
+//   Reads dout, out (T); writes D = rowsum(dout * out) in fp32.
+//
+// burst_bwd_dq<T, D, DV, WARPS, BN>
+//   grid (ceil(Cq / BM), heads, batch), BM = 16 * WARPS query rows; warp w owns rows
+//   16w .. 16w+15. Shared memory: Q (BM x D) and dO (BM x DV) once; K (BN x D) and V
+//   (BN x DV) per key tile; the float path's P scratch, WARPS x 16 x (BN + 4) fp32.
+//   Reads q, k, v, dout (T), lse, Dsum (fp32), qpos, kpos. Adds dS K to dq (fp32, in place,
+//   WITHOUT the softmax scale: the ring applies it once, at home).
+//
+// burst_bwd_dkdv<T, D, DV, WARPS, BN, PART>
+//   grid (ceil(Ck / BM), kv_heads, batch), BM = 16 * WARPS key rows; warp w owns key rows
+//   16w .. 16w+15 and loops over every query head of its KV head's group (GQA) and over
+//   the query tiles of BN rows. PART 0 computes dK and dV; for head dims whose two
+//   accumulators (D/2 + DV/2 registers a thread) cannot share the register file, two
+//   launches split the work, PART 1 (dV only) and PART 2 (dK only, recomputing P). Shared memory: K (BM x D), V (BM x DV) once; Q (BN x D),
+//   dO (BN x DV), lse and D (BN fp32 each) per query tile; the float path's P scratch.
+//   Reads the same as burst_bwd_dq; adds to dk (scaled) and dv (fp32, in place).
+//
+// lse = -inf (a row that saw no key) is read as +inf, so that exp(s - lse) is 0 there.
+// Strides as in attn_fwd.cu; lse and Dsum share one set of strides.
+#include "tile.cuh"
+#include "mask.cuh"
+
+__device__ __forceinline__ float lse_log2(float lse) {
+    return lse == neg_inf() ? pos_inf() : lse * BURST_LOG2E;
+}
+
+template <class T, int DV>
+__global__ void __launch_bounds__(128)
+burst_bwd_preprocess(float* __restrict__ Dsum, const T* __restrict__ dout, const T* __restrict__ out,
+                     long long r_sb, long long r_st, long long r_sh,
+                     long long do_sb, long long do_st, long long do_sh,
+                     long long o_sb, long long o_st, long long o_sh,
+                     int batch, int C, int heads) {
+    const long long rid = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (rid >= (long long)batch * C * heads) return;  // warp-uniform; no barrier follows
+    const int lane = threadIdx.x & 31;
+    const int h = (int)(rid % heads), tok = (int)((rid / heads) % C), b = (int)(rid / ((long long)heads * C));
+    const T* x = dout + b * do_sb + tok * do_st + h * do_sh;
+    const T* y = out + b * o_sb + tok * o_st + h * o_sh;
+    float sum = 0.f;
+    for (int c = lane; c < DV; c += 32) sum += to_float(x[c]) * to_float(y[c]);
+#pragma unroll
+    for (int w = 16; w > 0; w >>= 1) sum += shfl_xor(sum, w);
+    if (lane == 0) Dsum[b * r_sb + tok * r_st + h * r_sh] = sum;
+}
+
+template <class T, int D, int DV, int WARPS, int BN>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+             const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dsum,
+             float* __restrict__ dq, const int* __restrict__ qpos, const int* __restrict__ kpos,
+             long long q_sb, long long q_st, long long q_sh,
+             long long k_sb, long long k_st, long long k_sh,
+             long long v_sb, long long v_st, long long v_sh,
+             long long do_sb, long long do_st, long long do_sh,
+             long long r_sb, long long r_st, long long r_sh,
+             long long dq_sb, long long dq_st, long long dq_sh,
+             int Cq, int Ck, int heads, int kv_heads,
+             long long lo, long long hi, float scale) {
+    constexpr int BM = 16 * WARPS, NT = BN / 8, NQ = D / 8;
+    using QK = smem_tile<T, D>;
+    using VV = smem_tile<T, DV>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* Qs = reinterpret_cast<T*>(smem);
+    T* dOs = reinterpret_cast<T*>(smem + QK::bytes(BM));
+    T* Ks = reinterpret_cast<T*>(smem + QK::bytes(BM) + VV::bytes(BM));
+    T* Vs = reinterpret_cast<T*>(smem + QK::bytes(BM + BN) + VV::bytes(BM));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float* scratch = reinterpret_cast<float*>(smem + QK::bytes(BM + BN) + VV::bytes(BM + BN)) + warp * 16 * (BN + 4);
+
+    const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (heads / kv_heads);
+    const int rows_valid = imin(BM, Cq - q0);
+    const T* kb = k + b * k_sb + hk * k_sh;
+    const T* vb = v + b * v_sb + hk * v_sh;
+    load_rows_async<T, D>(Qs, q + b * q_sb + h * q_sh + q0 * q_st, q_st, BM, rows_valid);
+    load_rows_async<T, DV>(dOs, dout + b * do_sb + h * do_sh + q0 * do_st, do_st, BM, rows_valid);
+    cp_async_commit();
+
+    int row[2], qp[2];
+    float lse2[2], Drow[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        row[i] = q0 + warp * 16 + g + 8 * i;
+        const bool ok = row[i] < Cq;
+        const long long r = b * r_sb + row[i] * r_st + h * r_sh;
+        qp[i] = ok ? qpos[row[i]] : 0;
+        lse2[i] = ok ? lse_log2(lse[r]) : pos_inf();
+        Drow[i] = ok ? Dsum[r] : 0.f;
+    }
+    float acc[NQ][4];
+#pragma unroll
+    for (int j = 0; j < NQ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+
+    const int qmin = qpos[q0], qmax = qpos[q0 + rows_valid - 1];
+    const float scale_log2 = scale * BURST_LOG2E;
+    for (int c0 = 0; c0 < Ck; c0 += BN) {
+        const int kn = imin(BN, Ck - c0);
+        const int cls = classify_tile(qmin, qmax, kpos[c0], kpos[c0 + kn - 1], lo, hi);
+        if (cls == TILE_EMPTY) continue;  // block-uniform
+        __syncthreads();  // every warp is done with the previous K and V tiles
+        load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, kn);
+        load_rows_async<T, DV>(Vs, vb + c0 * v_st, v_st, BN, kn);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        float p[NT][4], dp[NT][4];
+        warp_gemm_abt<T, NT, D>(p, Qs + warp * 16 * QK::ld, QK::ld, Ks, QK::ld);
+        warp_gemm_abt<T, NT, DV>(dp, dOs + warp * 16 * VV::ld, VV::ld, Vs, VV::ld);
+        const bool masked = cls == TILE_PARTIAL || kn < BN;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1, col = 8 * j + 2 * t + (e & 1);
+                const bool off = masked && (col >= kn || !key_visible(qp[i], kpos[c0 + col], lo, hi));
+                const float pv = off ? 0.f : fast_exp2(p[j][e] * scale_log2 - lse2[i]);
+                p[j][e] = pv * (dp[j][e] - Drow[i]);  // dS = P * (dP - D)
+            }
+        warp_gemm_pv<T, NQ, NT>(acc, p, Ks, QK::ld, scratch);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (row[i] >= Cq) continue;
+        float* out = dq + b * dq_sb + row[i] * dq_st + h * dq_sh;
+#pragma unroll
+        for (int j = 0; j < NQ; ++j) {
+            out[8 * j + 2 * t] += acc[j][2 * i];
+            out[8 * j + 2 * t + 1] += acc[j][2 * i + 1];
+        }
+    }
+}
+
+template <class T, int D, int DV, int WARPS, int BN, int PART>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+               const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dsum,
+               float* __restrict__ dk, float* __restrict__ dv,
+               const int* __restrict__ qpos, const int* __restrict__ kpos,
+               long long q_sb, long long q_st, long long q_sh,
+               long long k_sb, long long k_st, long long k_sh,
+               long long v_sb, long long v_st, long long v_sh,
+               long long do_sb, long long do_st, long long do_sh,
+               long long r_sb, long long r_st, long long r_sh,
+               long long dk_sb, long long dk_st, long long dk_sh,
+               long long dv_sb, long long dv_st, long long dv_sh,
+               int Cq, int Ck, int heads, int kv_heads,
+               long long lo, long long hi, float scale) {
+    constexpr int BM = 16 * WARPS, NT = BN / 8, NK = D / 8, NV = DV / 8;
+    constexpr bool WANT_DK = PART != 1, WANT_DV = PART != 2;
+    using QK = smem_tile<T, D>;
+    using VV = smem_tile<T, DV>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* Ks = reinterpret_cast<T*>(smem);
+    T* Vs = reinterpret_cast<T*>(smem + QK::bytes(BM));
+    T* Qs = reinterpret_cast<T*>(smem + QK::bytes(BM) + VV::bytes(BM));
+    T* dOs = reinterpret_cast<T*>(smem + QK::bytes(BM + BN) + VV::bytes(BM));
+    float* lse_s = reinterpret_cast<float*>(smem + QK::bytes(BM + BN) + VV::bytes(BM + BN));
+    float* D_s = lse_s + BN;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float* scratch = D_s + BN + warp * 16 * (BN + 4);
+
+    const int k0 = blockIdx.x * BM, hk = blockIdx.y, b = blockIdx.z;
+    const int group = heads / kv_heads;
+    const int keys_valid = imin(BM, Ck - k0);
+    load_rows_async<T, D>(Ks, k + b * k_sb + hk * k_sh + k0 * k_st, k_st, BM, keys_valid);
+    load_rows_async<T, DV>(Vs, v + b * v_sb + hk * v_sh + k0 * v_st, v_st, BM, keys_valid);
+    cp_async_commit();
+
+    int kp[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int key = k0 + warp * 16 + g + 8 * i;
+        kp[i] = key < Ck ? kpos[key] : 0;
+    }
+    float dk_acc[WANT_DK ? NK : 1][4], dv_acc[WANT_DV ? NV : 1][4];
+#pragma unroll
+    for (int j = 0; j < (WANT_DK ? NK : 1); ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[j][e] = 0.f;
+#pragma unroll
+    for (int j = 0; j < (WANT_DV ? NV : 1); ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dv_acc[j][e] = 0.f;
+
+    const int kmin = kpos[k0], kmax = kpos[k0 + keys_valid - 1];
+    const float scale_log2 = scale * BURST_LOG2E;
+    for (int h = hk * group; h < (hk + 1) * group; ++h) {
+        const T* qb = q + b * q_sb + h * q_sh;
+        const T* dob = dout + b * do_sb + h * do_sh;
+        for (int c0 = 0; c0 < Cq; c0 += BN) {
+            const int qn = imin(BN, Cq - c0);
+            const int cls = classify_tile(qpos[c0], qpos[c0 + qn - 1], kmin, kmax, lo, hi);
+            if (cls == TILE_EMPTY) continue;  // block-uniform
+            __syncthreads();  // every warp is done with the previous query tile
+            load_rows_async<T, D>(Qs, qb + c0 * q_st, q_st, BN, qn);
+            load_rows_async<T, DV>(dOs, dob + c0 * do_st, do_st, BN, qn);
+            cp_async_commit();
+            for (int i = threadIdx.x; i < BN; i += blockDim.x) {
+                const long long r = b * r_sb + (c0 + i) * r_st + h * r_sh;
+                lse_s[i] = i < qn ? lse_log2(lse[r]) : pos_inf();
+                D_s[i] = i < qn ? Dsum[r] : 0.f;
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+
+            // Transposed scores: rows are this warp's keys, columns the tile's queries.
+            float p[NT][4], dp[NT][4];
+            warp_gemm_abt<T, NT, D>(p, Ks + warp * 16 * QK::ld, QK::ld, Qs, QK::ld);
+            const bool masked = cls == TILE_PARTIAL || qn < BN;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = 8 * j + 2 * t + (e & 1);
+                    const bool off = masked && (col >= qn || !key_visible(qpos[c0 + col], kp[e >> 1], lo, hi));
+                    p[j][e] = off ? 0.f : fast_exp2(p[j][e] * scale_log2 - lse_s[col]);
+                }
+            if constexpr (WANT_DV) warp_gemm_pv<T, NV, NT>(dv_acc, p, dOs, VV::ld, scratch);  // dV += P^T dO
+            if constexpr (WANT_DK) {
+                warp_gemm_abt<T, NT, DV>(dp, Vs + warp * 16 * VV::ld, VV::ld, dOs, VV::ld);
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = 8 * j + 2 * t + (e & 1);
+                        p[j][e] *= dp[j][e] - D_s[col];  // dS^T = P^T * (dP^T - D)
+                    }
+                warp_gemm_pv<T, NK, NT>(dk_acc, p, Qs, QK::ld, scratch);  // dK += dS^T Q
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int key = k0 + warp * 16 + g + 8 * i;
+        if (key >= Ck) continue;
+        float* a = dk + b * dk_sb + key * dk_st + hk * dk_sh;
+        float* c = dv + b * dv_sb + key * dv_st + hk * dv_sh;
+        if constexpr (WANT_DK) {
+#pragma unroll
+            for (int j = 0; j < NK; ++j) {
+                a[8 * j + 2 * t] += dk_acc[j][2 * i] * scale;
+                a[8 * j + 2 * t + 1] += dk_acc[j][2 * i + 1] * scale;
+            }
+        }
+        if constexpr (WANT_DV) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                c[8 * j + 2 * t] += dv_acc[j][2 * i];
+                c[8 * j + 2 * t + 1] += dv_acc[j][2 * i + 1];
+            }
+        }
+    }
+}

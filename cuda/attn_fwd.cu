@@ -1,0 +1,175 @@
+// Forward local attention of one ring step, merged into the running softmax state.
+//
+// burst_fwd<T, D, DV, WARPS, BN>
+//   grid  (ceil(Cq / BM), heads, batch) with BM = 16 * WARPS query rows per block;
+//   block WARPS * 32 threads; warp w owns query rows 16w .. 16w+15 of the block's tile.
+//   Query head h reads KV head h / (heads / kv_heads): GQA by index, never by copying.
+//   Shared memory (dynamic, bytes from burstmpi/kernels.py):
+//     Q tile  BM x D    loaded once
+//     K tile  BN x D    } reloaded for every key tile that is not masked away entirely
+//     V tile  BN x DV   }
+//     float-only P scratch, WARPS x 16 x (BN + 4) fp32 (see tile.cuh)
+//   Reads   q (T), k, v (T), qpos, kpos (int32 global positions), and the running state
+//           acc (fp32, unnormalised output), m (fp32 running max of the scaled scores,
+//           natural-log units), l (fp32 running sum of exp(s - m)).
+//   Writes  acc, m, l in place: the ring merge (GAO) happens inside the tile loop, exactly
+//           as FlashAttention-2 merges one key tile into the next. A fresh state is
+//           acc = 0, m = -inf, l = 0.
+//
+// burst_fwd_finalize<T, DV>
+//   grid ceil(rows / 4), block 128: one warp per (batch, token, head) row.
+//   Reads acc, m, l; writes out = acc / l (T) and lse = m + log(l) (fp32). A row that saw
+//   no key gets out 0 and lse -inf.
+//
+// Strides are in elements, for the (batch, token, head) axes; the last axis is contiguous
+// and every row starts 16-byte aligned (the loader checks both).
+#include "tile.cuh"
+#include "mask.cuh"
+
+template <class T, int D, int DV, int WARPS, int BN>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+          float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l,
+          const int* __restrict__ qpos, const int* __restrict__ kpos,
+          long long q_sb, long long q_st, long long q_sh,
+          long long k_sb, long long k_st, long long k_sh,
+          long long v_sb, long long v_st, long long v_sh,
+          long long a_sb, long long a_st, long long a_sh,
+          long long r_sb, long long r_st, long long r_sh,
+          int Cq, int Ck, int heads, int kv_heads,
+          long long lo, long long hi, float scale) {
+    constexpr int BM = 16 * WARPS, NT = BN / 8, NO = DV / 8;
+    using QK = smem_tile<T, D>;
+    using VV = smem_tile<T, DV>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* Qs = reinterpret_cast<T*>(smem);
+    T* Ks = reinterpret_cast<T*>(smem + QK::bytes(BM));
+    T* Vs = reinterpret_cast<T*>(smem + QK::bytes(BM + BN));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float* scratch = reinterpret_cast<float*>(smem + QK::bytes(BM + BN) + VV::bytes(BN)) + warp * 16 * (BN + 4);
+
+    const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (heads / kv_heads);
+    const int rows_valid = imin(BM, Cq - q0);
+    const T* kb = k + b * k_sb + hk * k_sh;
+    const T* vb = v + b * v_sb + hk * v_sh;
+    load_rows_async<T, D>(Qs, q + b * q_sb + h * q_sh + q0 * q_st, q_st, BM, rows_valid);
+    cp_async_commit();
+
+    // This thread's two rows (g and g+8 of its warp's 16), their state and positions.
+    // Inside the kernel m is kept in log2 units so that every exponential is one ex2.
+    int row[2], qp[2];
+    float mrow[2], lrow[2], o[NO][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        row[i] = q0 + warp * 16 + g + 8 * i;
+        const bool ok = row[i] < Cq;
+        const long long r = b * r_sb + row[i] * r_st + h * r_sh;
+        const float* a = acc + b * a_sb + row[i] * a_st + h * a_sh;
+        qp[i] = ok ? qpos[row[i]] : 0;
+        mrow[i] = ok ? m[r] * BURST_LOG2E : neg_inf();
+        lrow[i] = ok ? l[r] : 0.f;
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            o[j][2 * i] = ok ? a[8 * j + 2 * t] : 0.f;
+            o[j][2 * i + 1] = ok ? a[8 * j + 2 * t + 1] : 0.f;
+        }
+    }
+
+    const int qmin = qpos[q0], qmax = qpos[q0 + rows_valid - 1];
+    const float scale_log2 = scale * BURST_LOG2E;
+    for (int c0 = 0; c0 < Ck; c0 += BN) {
+        const int kn = imin(BN, Ck - c0);
+        const int cls = classify_tile(qmin, qmax, kpos[c0], kpos[c0 + kn - 1], lo, hi);
+        if (cls == TILE_EMPTY) continue;  // block-uniform: no barrier is skipped by some only
+        __syncthreads();  // every warp is done with the previous K and V tiles
+        load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, kn);
+        cp_async_commit();
+        load_rows_async<T, DV>(Vs, vb + c0 * v_st, v_st, BN, kn);
+        cp_async_commit();
+        cp_async_wait<1>();  // Q and K are here (V may still be in flight) ...
+        __syncthreads();     // ... for every thread's copies, not just this one's
+
+        float s[NT][4];
+        warp_gemm_abt<T, NT, D>(s, Qs + warp * 16 * QK::ld, QK::ld, Ks, QK::ld);
+        const bool masked = cls == TILE_PARTIAL || kn < BN;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * j + 2 * t + (e & 1);
+                const bool off = masked && (col >= kn || !key_visible(qp[e >> 1], kpos[c0 + col], lo, hi));
+                s[j][e] = off ? neg_inf() : s[j][e] * scale_log2;
+            }
+
+        // Online softmax (the merge identity): with m' = max(m, max_j s_j),
+        //   l' = l 2^(m - m') + sum_j 2^(s_j - m'),   acc' = acc 2^(m - m') + sum_j 2^(s_j - m') v_j.
+        // A row that has seen no key yet keeps m = -inf; it is shifted by 0 instead of
+        // m', so the exponentials give 0 rather than NaN from (-inf) - (-inf).
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int j = 0; j < NT; ++j) mx = fmax2(mx, fmax2(s[j][2 * i], s[j][2 * i + 1]));
+            const float m_new = fmax2(mrow[i], quad_max(mx));
+            const float shift = m_new == neg_inf() ? 0.f : m_new;
+            const float alpha = fast_exp2(mrow[i] - shift);
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                s[j][2 * i] = fast_exp2(s[j][2 * i] - shift);
+                s[j][2 * i + 1] = fast_exp2(s[j][2 * i + 1] - shift);
+                sum += s[j][2 * i] + s[j][2 * i + 1];
+            }
+            lrow[i] = lrow[i] * alpha + quad_sum(sum);
+            mrow[i] = m_new;
+#pragma unroll
+            for (int j = 0; j < NO; ++j) {
+                o[j][2 * i] *= alpha;
+                o[j][2 * i + 1] *= alpha;
+            }
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // V is here for every thread
+        warp_gemm_pv<T, NO, NT>(o, s, Vs, VV::ld, scratch);
+    }
+    cp_async_wait<0>();  // no copy may still target shared memory when the block ends
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (row[i] >= Cq) continue;
+        const long long r = b * r_sb + row[i] * r_st + h * r_sh;
+        float* a = acc + b * a_sb + row[i] * a_st + h * a_sh;
+        m[r] = mrow[i] * BURST_LN2;
+        l[r] = lrow[i];
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            a[8 * j + 2 * t] = o[j][2 * i];
+            a[8 * j + 2 * t + 1] = o[j][2 * i + 1];
+        }
+    }
+}
+
+template <class T, int DV>
+__global__ void __launch_bounds__(128)
+burst_fwd_finalize(T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ acc,
+                   const float* __restrict__ m, const float* __restrict__ l,
+                   long long o_sb, long long o_st, long long o_sh,
+                   long long lse_sb, long long lse_st, long long lse_sh,
+                   long long a_sb, long long a_st, long long a_sh,
+                   long long r_sb, long long r_st, long long r_sh,
+                   int batch, int C, int heads) {
+    const long long rid = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (rid >= (long long)batch * C * heads) return;  // warp-uniform; no barrier follows
+    const int lane = threadIdx.x & 31;
+    const int h = (int)(rid % heads), tok = (int)((rid / heads) % C), b = (int)(rid / ((long long)heads * C));
+    const long long r = b * r_sb + tok * r_st + h * r_sh;
+    const float lv = l[r];
+    const bool seen = lv > 0.f;
+    const float inv = seen ? 1.f / lv : 0.f;
+    const float* a = acc + b * a_sb + tok * a_st + h * a_sh;
+    T* o = out + b * o_sb + tok * o_st + h * o_sh;
+    for (int c = lane; c < DV; c += 32) o[c] = from_float<T>(a[c] * inv);
+    if (lane == 0) lse[b * lse_sb + tok * lse_st + h * lse_sh] = seen ? m[r] + logf(lv) : neg_inf();
+}

@@ -1,0 +1,210 @@
+"""cuda/*.cu, run on the CPU emulator, against float64 and the NumPy backend.
+
+Each case splits a global sequence into P blocks as the ring does (layout positions,
+key blocks visited in ring order and merged into one running state), runs the forward,
+finalize, preprocess, dQ and dK/dV kernels exactly as a GPU backend launches them, and
+checks out, lse, dq, dk and dv against the float64 reference with flash-attn's rule.
+The NumPy backend solves the same problem (one rank) and the largest difference between
+the two is recorded. Skipped where no C++ compiler exists.
+"""
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import burstmpi
+import kernel_harness as kh
+from burstmpi import kernels
+from burstmpi import reference as ref
+from burstmpi.layout import Layout
+from burstmpi.masks import Window
+from conftest import ATOL, WORST, check_close, f64
+
+pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
+
+MASKS = {"none": (False, None), "causal": (True, None), "window": (False, (21, 6)),
+         "causal-window": (True, (40, 0))}
+SCHEDULES = list(kh.SCHEDULES)
+
+
+@dataclass
+class Case:
+    dtype: str
+    d: int
+    dv: int
+    mask: str
+    P: int = 2
+    C: int = 46           # rows per block: not a multiple of any tile (16, 32, 64)
+    Z: int = 4
+    Zkv: int = 2          # GQA: two query heads per KV head
+    B: int = 1
+    layout: str = "contiguous"
+    schedule: str = "forward/late"
+    arch: str = "sm_90"   # whose shared-memory limit picks the kernel configuration
+
+    def __str__(self):
+        return (f"{self.dtype}-d{self.d}x{self.dv}-{self.mask}-P{self.P}xC{self.C}-Z{self.Z}/{self.Zkv}"
+                f"-B{self.B}-{self.layout}-{self.schedule}-{self.arch}")
+
+
+def _cases():
+    cases, i = [], 0
+    for dtype in ("float16", "bfloat16", "float32"):
+        for d in (64, 128):
+            for mask in ("none", "causal", "window"):
+                cases.append(Case(dtype, d, d, mask, layout=("zigzag" if mask == "causal" else "contiguous"),
+                                  schedule=SCHEDULES[i % len(SCHEDULES)]))
+                i += 1
+    cases += [
+        Case("float16", 32, 32, "causal", P=3, C=37, B=2),                       # odd rank count and length
+        Case("bfloat16", 96, 96, "causal-window", P=2, C=50, Zkv=1),             # MQA
+        Case("bfloat16", 192, 128, "causal", P=2, C=40, Z=2, Zkv=2, layout="zigzag"),  # V dim unlike QK
+        Case("float16", 256, 256, "none", P=2, C=24, Z=2, Zkv=1),                # dK/dV in two launches
+        Case("float32", 256, 256, "causal", P=2, C=24, Z=2, Zkv=2),
+        Case("float32", 256, 256, "window", P=2, C=24, Z=2, Zkv=1, arch="sm_80"),  # 2-warp dQ, dK/dV
+        Case("float16", 64, 64, "causal", P=2, C=150, layout="contiguous"),       # empty and full tiles
+        Case("bfloat16", 128, 128, "window", P=2, C=140, Z=2, Zkv=1, layout="striped"),
+        Case("float32", 64, 64, "causal", P=3, C=100, Z=2, Zkv=1, layout="zigzag"),
+    ]
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def libs():
+    """One emulator library per (dtype, head dims) in use, built on first need."""
+    built = {}
+
+    def get(dtype, d, dv, source=None, arch="sm_90"):
+        key = (dtype, d, dv, source, arch)
+        if key not in built:
+            built[key] = kh.build(kernels.kernel_names(dtype, d, dv, kernels.SMEM_LIMIT[arch]), source)
+        return built[key]
+    return get
+
+
+def run_kernels(lib, c, seed=0):
+    """Forward and backward of case ``c`` on the emulator: global (out, lse, dq, dk, dv)."""
+    N = c.P * c.C
+    q, k, v, do = ref.random_problem(c.B, N, c.Z, c.Zkv, c.d, c.dv, dtype=kh.NP_DTYPES[c.dtype], seed=seed)
+    lay = Layout(c.layout, c.P, c.C)
+    win = Window(*MASKS[c.mask])
+    scale = 1.0 / np.sqrt(c.d)
+    em = kh.Emulated(lib, c.dtype, c.d, c.dv, c.schedule, seed, kernels.SMEM_LIMIT[c.arch])
+    pos = [lay.positions(r) for r in range(c.P)]
+    out = np.zeros((c.B, N, c.Z, c.dv), q.dtype)
+    lse = np.zeros((c.B, c.Z, N), np.float32)
+    for r in range(c.P):
+        ring = [(r - t) % c.P for t in range(c.P)]  # the order a rank receives key blocks
+        blocks = [(k[:, pos[j]], v[:, pos[j]], pos[j]) for j in ring]
+        out[:, pos[r]], lse[:, :, pos[r]] = em.forward(q[:, pos[r]], blocks, pos[r], win, scale)
+    q_blocks = [(q[:, p], do[:, p], out[:, p], lse[:, :, p], p) for p in pos]
+    k_blocks = [(k[:, p], v[:, p], p) for p in pos]
+    dqs, dks, dvs = em.backward(q_blocks, k_blocks, scale, win)
+    grads = [np.zeros(x.shape, np.float32) for x in (q, k, v)]
+    for r, p in enumerate(pos):
+        for g, part in zip(grads, (dqs[r], dks[r], dvs[r])):
+            g[:, p] = part
+    # The GPU backend converts the fp32 gradients to the input dtype at the end, as here.
+    return (q, k, v, do), (out, lse, *(g.astype(q.dtype) for g in grads))
+
+
+def check_case(c, lib):
+    (q, k, v, do), ours = run_kernels(lib, c)
+    causal, window = MASKS[c.mask]
+    opts = dict(causal=causal, window=window)
+    exact = ref.forward(q, k, v, **opts) + ref.backward(do, q, k, v, **opts)
+    plain = ref.forward(q, k, v, precision="plain", **opts) + ref.backward(do, q, k, v, precision="plain", **opts)
+    plan = burstmpi.BurstAttention(comm=MPI.COMM_SELF, **opts)
+    o_np, l_np = plan.forward(q, k, v)
+    numpy_backend = (o_np, l_np) + plan.backward(do, q, k, v, o_np, l_np)
+    for name, mine, e, p, nb in zip(("out", "lse", "dq", "dk", "dv"), ours, exact, plain, numpy_backend):
+        check_close(f"emulated {name}", mine, e, p, c.dtype)
+        diff = float(np.abs(f64(mine) - f64(nb))[np.isfinite(f64(e))].max())
+        key = (c.dtype, f"emulated {name} vs NumPy backend")
+        WORST[key] = max(WORST.get(key, 0.0), diff)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernels_match_reference(libs, case):
+    check_case(case, libs(case.dtype, case.d, case.dv, arch=case.arch))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_every_schedule(libs, dtype, schedule):
+    c = Case(dtype, 64, 64, "causal", P=2, C=70, layout="zigzag", schedule=schedule)
+    check_case(c, libs(dtype, 64, 64))
+
+
+# -- seeded mistakes: each must make a test fail -------------------------------------------
+
+# (what, the right text in the program source, the mistake replacing it); each right text
+# occurs exactly once in the program.
+SPACES = " " * 35
+MISTAKES = [
+    ("fragment: A registers 1 and 2 swapped when P becomes an A operand",
+     f"pack2<T>(p[2 * i][2], p[2 * i][3]),\n{SPACES}pack2<T>(p[2 * i + 1][0], p[2 * i + 1][1]),",
+     f"pack2<T>(p[2 * i + 1][0], p[2 * i + 1][1]),\n{SPACES}pack2<T>(p[2 * i][2], p[2 * i][3]),"),
+    ("ldmatrix: B row addresses take the k half from the wrong lane bit",
+     "kk + ((lane >> 3) & 1) * 8);", "kk + ((lane >> 4) & 1) * 8);"),
+    ("missing __syncthreads before the warps read V",
+     "cp_async_wait<0>();\n        __syncthreads();  // V is here for every thread",
+     "cp_async_wait<0>();"),
+    ("missing __syncthreads before the next K/V tile overwrites the last",
+     "        __syncthreads();  // every warp is done with the previous K and V tiles\n"
+     "        load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, kn);\n        cp_async_commit();",
+     "        load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, kn);\n        cp_async_commit();"),
+    ("missing cp.async wait for the K tile",
+     "cp_async_wait<1>();  // Q and K are here (V may still be in flight) ...", ""),
+    ("off-by-one mask: the diagonal excluded", "return d >= -lo && d <= hi;", "return d >= -lo && d < hi;"),
+    ("tail tile loads one row past the end", "const bool ok = r < rows_valid;", "const bool ok = r <= rows_valid;"),
+    ("online softmax: accumulator not rescaled", "o[j][2 * i] *= alpha;", "o[j][2 * i] *= 1.f;"),
+    ("dK/dV: D read for the wrong column", "p[j][e] *= dp[j][e] - D_s[col];", "p[j][e] *= dp[j][e] - D_s[g];"),
+    ("dQ: rows g+8 masked with row g's position",
+     "!key_visible(qp[i], kpos[c0 + col], lo, hi));\n                const float pv",
+     "!key_visible(qp[0], kpos[c0 + col], lo, hi));\n                const float pv"),
+]
+
+
+def seeded_source(right, wrong):
+    src, _ = kernels.program()
+    assert src.count(right) == 1, f"seeded mistake: expected the text once in the program, found {src.count(right)}"
+    return src.replace(right, wrong)
+
+
+def run_until_caught(lib, dtype):
+    """Run a small, sensitive set of cases under every schedule; return what failed first."""
+    for c in (Case(dtype, 64, 64, "causal", P=2, C=70, layout="zigzag"), Case(dtype, 64, 64, "none", P=1, C=45)):
+        for schedule in SCHEDULES:
+            c.schedule = schedule
+            try:
+                check_case(c, lib)
+            except (AssertionError, kh.EmulatorError) as exc:
+                return f"{c}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return None
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_seeded_mistake_is_caught(libs, mistake):
+    name, right, wrong = mistake
+    # The float path has no fragments; the tensor-core path shows every mistake listed.
+    caught = run_until_caught(libs("float16", 64, 64, seeded_source(right, wrong)), "float16")
+    assert caught, f"seeded mistake '{name}' went unnoticed"
+    CAUGHT.append(f"  {name:58s} <- {caught[:150]}")
+
+
+CAUGHT = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_caught():
+    yield
+    if CAUGHT:
+        from conftest import REPORTS
+        REPORTS.append(("seeded mistakes in cuda/ and the check that caught each", list(CAUGHT)))
