@@ -6,8 +6,8 @@
 //   Query head h reads KV head h / (heads / kv_heads): GQA by index, never by copying.
 //   Shared memory (dynamic, bytes from burstmpi/kernels.py):
 //     Q tile  BM x D    loaded once
-//     K tile  BN x D    } reloaded for every key tile that is not masked away entirely
-//     V tile  BN x DV   }
+//     K tile  BN x D    } reloaded for every key tile that is not masked away entirely;
+//     V tile  BN x DV   } K(i+1) loads during P V of tile i, V(i) during Q K^T of tile i
 //     float-only P scratch, WARPS x 16 x (BN + 4) fp32 (see tile.cuh)
 //   Reads   q (T), k, v (T), qpos, kpos (int32 global positions), and the running state
 //           acc (fp32, unnormalised output), m (fp32 running max of the scaled scores,
@@ -78,13 +78,19 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
     const int qmin = qpos[q0], qmax = qpos[q0 + rows_valid - 1];
     const float scale_log2 = scale * BURST_LOG2E;
-    for (int c0 = 0; c0 < Ck; c0 += BN) {
+    // Key tiles that no query of this block can see are skipped (block-uniform, so no
+    // barrier is ever skipped by some threads only). The loads are pipelined as in
+    // FlashAttention-2: K of the next tile streams in during this tile's P V product, V of
+    // this tile during its Q K^T.
+    int c0 = next_visible_tile(kpos, 0, Ck, BN, qmin, qmax, lo, hi);
+    if (c0 < Ck) {
+        load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, imin(BN, Ck - c0));
+        cp_async_commit();
+    }
+    while (c0 < Ck) {
         const int kn = imin(BN, Ck - c0);
         const int cls = classify_tile(qmin, qmax, kpos[c0], kpos[c0 + kn - 1], lo, hi);
-        if (cls == TILE_EMPTY) continue;  // block-uniform: no barrier is skipped by some only
-        __syncthreads();  // every warp is done with the previous K and V tiles
-        load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, kn);
-        cp_async_commit();
+        __syncthreads();  // every warp is done with the previous V tile
         load_rows_async<T, DV>(Vs, vb + c0 * v_st, v_st, BN, kn);
         cp_async_commit();
         cp_async_wait<1>();  // Q and K are here (V may still be in flight) ...
@@ -131,8 +137,14 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         }
 
         cp_async_wait<0>();
-        __syncthreads();  // V is here for every thread
+        __syncthreads();  // V is here for every thread, and every warp is done with K
+        const int next = next_visible_tile(kpos, c0 + BN, Ck, BN, qmin, qmax, lo, hi);
+        if (next < Ck) {
+            load_rows_async<T, D>(Ks, kb + next * k_st, k_st, BN, imin(BN, Ck - next));
+            cp_async_commit();
+        }
         warp_gemm_pv<T, NO, NT>(o, s, Vs, VV::ld, scratch);
+        c0 = next;
     }
     cp_async_wait<0>();  // no copy may still target shared memory when the block ends
 

@@ -25,3 +25,13 @@ __device__ __forceinline__ int classify_tile(int qmin, int qmax, int kmin, int k
         return TILE_FULL;
     return TILE_PARTIAL;
 }
+
+// The first tile of `tile` positions, starting at c0 and stepping by `tile`, that holds a
+// key some query in [qmin, qmax] can see; n if there is none.
+__device__ __forceinline__ int next_visible_tile(const int* pos, int c0, int n, int tile, int qmin,
+                                                 int qmax, long long lo, long long hi) {
+    for (; c0 < n; c0 += tile)
+        if (classify_tile(qmin, qmax, pos[c0], pos[imin(c0 + tile, n) - 1], lo, hi) != TILE_EMPTY)
+            return c0;
+    return n;
+}

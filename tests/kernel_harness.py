@@ -42,7 +42,8 @@ class EmulatorError(RuntimeError):
 
 
 def _entry_table(names):
-    rows = [f'    {{"{n}", &Entry<decltype(&{n}), &{n}>::run}},' for n in names]
+    rows = [f'    {{"{n}", &Entry<decltype(&{n}), &{n}>::run, Entry<decltype(&{n}), &{n}>::arity}},'
+            for n in names]
     return "\n".join(rows)
 
 
@@ -59,19 +60,25 @@ template <class... A, void (*f)(A...)> struct Entry<void (*)(A...), f> {{
         f(*static_cast<std::decay_t<A>*>(args[I])...);
     }}
     static void run(void** args) {{ call(args, std::index_sequence_for<A...>{{}}); }}
+    static constexpr int arity = sizeof...(A);
 }};
-struct Named {{ const char* name; void (*run)(void**); }};
+struct Named {{ const char* name; void (*run)(void**); int arity; }};
 static const Named table[] = {{
 {table}
 }};
 
 #define EXPORT extern "C" __attribute__((visibility("default")))
 EXPORT int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                      unsigned by, unsigned bz, unsigned long shmem, void** args, int order,
-                      unsigned seed, char* err, unsigned long errlen) {{
-    for (const Named& k : table)
-        if (std::strcmp(k.name, name) == 0)
-            return emu_run(k.run, args, smem, dim3(gx, gy, gz), dim3(bx, by, bz), shmem, order, seed, err, errlen);
+                      unsigned by, unsigned bz, unsigned long shmem, void** args, int nargs,
+                      int order, unsigned seed, char* err, unsigned long errlen) {{
+    for (const Named& k : table) {{
+        if (std::strcmp(k.name, name) != 0) continue;
+        if (nargs != k.arity) {{
+            snprintf(err, errlen, "%d arguments given, the kernel takes %d", nargs, k.arity);
+            return 2;
+        }}
+        return emu_run(k.run, args, smem, dim3(gx, gy, gz), dim3(bx, by, bz), shmem, order, seed, err, errlen);
+    }}
     snprintf(err, errlen, "kernel %s is not in this library", name);
     return 2;
 }}
@@ -115,7 +122,7 @@ def build(names, source=None, extra_include=()):
     dll = ctypes.CDLL(str(lib))
     dll.emu_launch.restype = ctypes.c_int
     dll.emu_launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 6 + [
-        ctypes.c_ulong, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint,
+        ctypes.c_ulong, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int, ctypes.c_uint,
         ctypes.c_char_p, ctypes.c_ulong]
     return dll
 
@@ -130,7 +137,7 @@ def launch(lib, spec, schedule="forward/late", seed=0):
     holders = [_CTYPES[kind](value) for kind, value in spec.args]
     argv = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
     err = ctypes.create_string_buffer(2048)
-    rc = lib.emu_launch(spec.kernel.encode(), *spec.grid, *spec.block, spec.smem, argv,
+    rc = lib.emu_launch(spec.kernel.encode(), *spec.grid, *spec.block, spec.smem, argv, len(holders),
                         SCHEDULES[schedule], seed, err, len(err))
     if rc:
         raise EmulatorError(f"{spec.kernel}: {err.value.decode()}")

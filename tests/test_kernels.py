@@ -1,0 +1,68 @@
+"""burstmpi.kernels without a compiler: the program text, configurations, launch checks."""
+
+import re
+
+import pytest
+
+from burstmpi import kernels
+
+ALIGNED = kernels.Strided(ptr=1 << 20, sb=4096, st=256, sh=64)
+
+
+def test_program_inlines_every_header_once():
+    src, options = kernels.program()
+    assert not re.search(r'^\s*#\s*include\s+"', src, re.M), "quoted includes must be inlined"
+    assert "#pragma once" not in src
+    for name in ("types.cuh", "arch.cuh", "tile.cuh", "mask.cuh", "attn_fwd.cu", "attn_bwd.cu"):
+        assert f'#line 1 "{name}"' in src
+    assert src.count("struct half_t") == 1
+    assert options == ("-std=c++17",)
+    assert kernels.program("sm_90")[1] == ("-std=c++17", "--gpu-architecture=sm_90")
+
+
+@pytest.mark.parametrize("arch", kernels.ARCHS)
+def test_every_configuration_fits_shared_memory(arch):
+    limit = kernels.SMEM_LIMIT[arch]
+    for dtype in kernels.DTYPES:
+        for d, dv in kernels.HEAD_DIMS:
+            for kind in ("fwd", "dq", "dkdv"):
+                cfg = kernels.config(kind, dtype, d, dv, limit)
+                assert kernels.smem_bytes(kind, dtype, d, dv, cfg) <= limit
+                assert cfg.bn % 16 == 0 and cfg.warps in (2, 4)
+
+
+def _fwd(**over):
+    args = dict(q=ALIGNED, k=ALIGNED, v=ALIGNED, acc=ALIGNED, m=ALIGNED, l=ALIGNED, qpos=0, kpos=0,
+                batch=2, cq=100, ck=70, heads=4, kv_heads=2, lo=5, hi=0, scale=0.125)
+    args.update(over)
+    return kernels.fwd("float16", 64, 64, **args)
+
+
+def test_launch_is_plain_data():
+    spec = _fwd()
+    assert spec.kernel == "burst_fwd<half_t, 64, 64, 4, 64>"
+    assert spec.grid == (2, 4, 2) and spec.block == (128, 1, 1)
+    assert spec.smem == kernels.smem_bytes("fwd", "float16", 64, 64, kernels.Config(4, 64))
+    kinds = "".join(kind for kind, _ in spec.args)
+    assert kinds == "p" * 8 + "q" * 15 + "i" * 4 + "qqf"
+    two = kernels.bwd_dkdv("bfloat16", 256, 256, q=ALIGNED, k=ALIGNED, v=ALIGNED, dout=ALIGNED,
+                           lse=ALIGNED, dsum=ALIGNED, dk=ALIGNED, dv_=ALIGNED, qpos=0, kpos=0, batch=1,
+                           cq=10, ck=10, heads=2, kv_heads=1, lo=0, hi=0, scale=1.0)
+    assert [s.kernel[-3:] for s in two] == [" 1>", " 2>"]
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(q=ALIGNED._replace(ptr=(1 << 20) + 2)), r"fwd: q: expected 16-byte aligned rows .* address 0x100002"),
+    (dict(k=ALIGNED._replace(st=100)), r"fwd: k: expected 16-byte aligned rows .* strides \(4096, 100, 64\)"),
+    (dict(heads=5), r"fwd: heads: expected a multiple of kv_heads=2, got 5"),
+])
+def test_launch_checks_name_the_argument(over, match):
+    with pytest.raises(ValueError, match=match):
+        _fwd(**over)
+
+
+def test_unsupported_head_dims_and_dtypes_are_named():
+    with pytest.raises(ValueError, match=r"head dims \(qk, v\): expected one of .* got \(80, 80\)"):
+        kernels.config("fwd", "float16", 80, 80)
+    with pytest.raises(ValueError, match=r"dtype: expected one of .* got 'float64'"):
+        kernels.kernel_names("float64", 64, 64)
