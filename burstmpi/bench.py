@@ -39,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__, reference
-from .api import shard, unshard
+from .api import unshard
 from .interop import bfloat16
 from .layout import LAYOUTS
 from .masks import Window

@@ -9,7 +9,7 @@ import pytest
 import burstmpi
 from burstmpi import reference as ref
 
-from conftest import DTYPES, NRANKS, RANK, dtype_of, check_against_float64
+from conftest import DTYPES, NRANKS, RANK, check_against_float64
 
 LAYOUTS = ["contiguous", "zigzag", "striped"]
 

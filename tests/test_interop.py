@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 
 import burstmpi
-from burstmpi import reference as ref
 
-from conftest import NRANKS, check_close
+from conftest import NRANKS
 
 torch = pytest.importorskip("torch")
 
