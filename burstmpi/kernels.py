@@ -260,20 +260,26 @@ def bwd_preprocess(dtype, dv, *, dsum, dout, out, batch, c, heads):
                     (dsum.ptr, dout.ptr, out.ptr), (dsum, dout, out), batch, c, heads)
 
 
+def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, qpos, kpos, cq, ck, heads, kv_heads,
+              lo, hi, scale):
+    """Checked arguments of the dQ and dK/dV kernels, which differ only in ``grads``."""
+    _heads(fn, heads, kv_heads)
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        _aligned(fn, name, t, dtype)
+    if (lse.sb, lse.st, lse.sh) != (dsum.sb, dsum.st, dsum.sh):
+        raise ValueError(f"burstmpi.kernels.{fn}: dsum: expected the strides of lse "
+                         f"{tuple(lse[1:])}, got {tuple(dsum[1:])}")
+    return (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, *grads)) + (("p", qpos), ("p", kpos))
+            + _strides(q, k, v, dout, lse, *grads)
+            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
+
+
 def bwd_dq(dtype, d, dv, *, q, k, v, dout, lse, dsum, dq, qpos, kpos, batch, cq, ck, heads,
            kv_heads, lo, hi, scale, smem_limit=SMEM_LIMIT["sm_80"]):
     """Add dS K (unscaled) for one (query block, key block) pair to dq (fp32)."""
-    _heads("bwd_dq", heads, kv_heads)
-    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
-        _aligned("bwd_dq", name, t, dtype)
-    if (lse.sb, lse.st, lse.sh) != (dsum.sb, dsum.st, dsum.sh):
-        raise ValueError("burstmpi.kernels.bwd_dq: dsum: expected the strides of lse "
-                         f"{tuple(lse[1:])}, got {tuple(dsum[1:])}")
-    name, grid, block, smem = _tiled("dq", dtype, d, dv, cq, heads, batch, smem_limit)
-    args = (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, dq)) + (("p", qpos), ("p", kpos))
-            + _strides(q, k, v, dout, lse, dq)
-            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
-    return Launch(name, grid, block, smem, args)
+    args = _bwd_args("bwd_dq", dtype, q, k, v, dout, lse, dsum, (dq,), qpos, kpos, cq, ck, heads,
+                     kv_heads, lo, hi, scale)
+    return Launch(*_tiled("dq", dtype, d, dv, cq, heads, batch, smem_limit), args)
 
 
 def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kpos, batch, cq, ck,
@@ -281,15 +287,8 @@ def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kpos, bat
     """Add the dK (scaled) and dV of one (query block, key block) pair to dk, dv_ (fp32).
 
     Returns a tuple of launches, to run in order (two for the largest head dims)."""
-    _heads("bwd_dkdv", heads, kv_heads)
-    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
-        _aligned("bwd_dkdv", name, t, dtype)
-    if (lse.sb, lse.st, lse.sh) != (dsum.sb, dsum.st, dsum.sh):
-        raise ValueError("burstmpi.kernels.bwd_dkdv: dsum: expected the strides of lse "
-                         f"{tuple(lse[1:])}, got {tuple(dsum[1:])}")
-    args = (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, dk, dv_)) + (("p", qpos), ("p", kpos))
-            + _strides(q, k, v, dout, lse, dk, dv_)
-            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
+    args = _bwd_args("bwd_dkdv", dtype, q, k, v, dout, lse, dsum, (dk, dv_), qpos, kpos, cq, ck,
+                     heads, kv_heads, lo, hi, scale)
     return tuple(Launch(*_tiled("dkdv", dtype, d, dv, ck, kv_heads, batch, smem_limit, part), args)
                  for part in dkdv_parts(d, dv))
 
