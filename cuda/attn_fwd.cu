@@ -21,8 +21,9 @@
 //   Reads acc, m, l; writes out = acc / l (T) and lse = m + log(l) (fp32). A row that saw
 //   no key gets out 0 and lse -inf.
 //
-// Strides are in elements, for the (batch, token, head) axes; the last axis is contiguous
-// and every row starts 16-byte aligned (the loader checks both).
+// Strides are in elements, for the (batch, token, head) axes; the last (feature) axis is
+// contiguous, and the rows of q, k, v start 16-byte aligned for cp.async (burstmpi/kernels.py
+// checks the alignment when it builds a launch).
 #include "tile.cuh"
 #include "mask.cuh"
 
