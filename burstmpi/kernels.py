@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["HEAD_DIMS", "DTYPES", "ARCHS", "Strided", "Launch", "program", "module",
+__all__ = ["HEAD_DIMS", "DTYPES", "ARCHS", "Strided", "Grouped", "Launch", "program", "module",
            "kernel_names", "config", "fwd", "fwd_finalize", "bwd_preprocess", "bwd_dq",
            "bwd_dkdv", "compile_report"]
 
@@ -181,12 +181,29 @@ def _device_smem(device_id):
 # -- launches ------------------------------------------------------------------------------
 
 class Strided(NamedTuple):
-    """A tensor argument: its address and element strides over (batch, token, head); the
-    last (feature) axis is contiguous."""
+    """A key-side tensor argument (k, v, dk, dv): its address and element strides over
+    (batch, token, KV head); the last (feature) axis is contiguous."""
     ptr: int
     sb: int
     st: int
     sh: int
+
+
+class Grouped(NamedTuple):
+    """A query-side tensor argument (q, dout, out, acc, m, l, lse, D, dq): its address and
+    element strides over (batch, token, KV head, head within the group). Query head h is
+    head h % group of KV head h // group, so one kernel reads the user's (B, C, heads, d)
+    arrays (skv = group * sg) and the ring's grouped (B, kv_heads, C, group, d) packets."""
+    ptr: int
+    sb: int
+    st: int
+    skv: int
+    sg: int
+
+    @classmethod
+    def of_heads(cls, ptr, sb, st, sh, group):
+        """A tensor laid out (batch, token, heads, ...) with head stride ``sh``."""
+        return cls(ptr, sb, st, group * sh, sh)
 
 
 class Launch(NamedTuple):
@@ -199,10 +216,19 @@ class Launch(NamedTuple):
     args: tuple
 
 
+def _kind(fn, grouped=(), keyed=()):
+    """Query-side arguments must be Grouped, key-side ones Strided."""
+    for cls, args in ((Grouped, grouped), (Strided, keyed)):
+        for name, t in args:
+            if not isinstance(t, cls):
+                raise TypeError(f"burstmpi.kernels.{fn}: {name}: expected burstmpi.kernels."
+                                f"{cls.__name__}, got {type(t).__name__}")
+
+
 def _aligned(fn, name, t, dtype):
     """Rows that cp.async copies must start on 16-byte boundaries."""
     e = _itemsize(dtype)
-    bad = [s for s in (t.sb, t.st, t.sh) if (s * e) % 16]
+    bad = [s for s in t[1:] if (s * e) % 16]
     if t.ptr % 16 or bad:
         raise ValueError(f"burstmpi.kernels.{fn}: {name}: expected 16-byte aligned rows "
                          f"(address and every stride x {e} bytes a multiple of 16), "
@@ -232,8 +258,13 @@ def _window(lo, hi, scale):
 
 def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qpos, kpos, batch, cq, ck, heads, kv_heads,
         lo, hi, scale, smem_limit=SMEM_LIMIT["sm_80"]):
-    """Merge one key block into the running state (acc, m, l) of cq query rows."""
+    """Merge one key block into the running state (acc, m, l) of cq query rows.
+
+    ``m`` and ``l`` share one set of strides."""
+    _kind("fwd", (("q", q), ("acc", acc), ("m", m), ("l", l)), (("k", k), ("v", v)))
     _heads("fwd", heads, kv_heads)
+    if tuple(m[1:]) != tuple(l[1:]):
+        raise ValueError(f"burstmpi.kernels.fwd: l: expected the strides of m {tuple(m[1:])}, got {tuple(l[1:])}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _aligned("fwd", name, t, dtype)
     name, grid, block, smem = _tiled("fwd", dtype, d, dv, cq, heads, batch, smem_limit)
@@ -243,30 +274,38 @@ def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qpos, kpos, batch, cq, ck, heads, k
     return Launch(name, grid, block, smem, args)
 
 
-def _rowwise(name, rows, ptrs, tensors, batch, c, heads):
-    args = tuple(("p", p) for p in ptrs) + _strides(*tensors) + (("i", batch), ("i", c), ("i", heads))
-    return Launch(name, (-(-rows // 4), 1, 1), (128, 1, 1), 0, args)
+def _rowwise(fn, name, ptrs, tensors, batch, c, heads, kv_heads):
+    _kind(fn, tensors)
+    _heads(fn, heads, kv_heads)
+    args = (tuple(("p", p) for p in ptrs) + _strides(*(t for _, t in tensors))
+            + (("i", batch), ("i", c), ("i", heads), ("i", kv_heads)))
+    return Launch(name, (-(-(batch * c * heads) // 4), 1, 1), (128, 1, 1), 0, args)
 
 
-def fwd_finalize(dtype, dv, *, out, lse, acc, m, l, batch, c, heads):
+def fwd_finalize(dtype, dv, *, out, lse, acc, m, l, batch, c, heads, kv_heads):
     """out = acc / l (dtype) and lse = m + log(l) (fp32), per row."""
-    return _rowwise(f"burst_fwd_finalize<{DTYPES[dtype]}, {dv}>", batch * c * heads,
-                    (out.ptr, lse.ptr, acc.ptr, m.ptr, l.ptr), (out, lse, acc, m), batch, c, heads)
+    return _rowwise("fwd_finalize", f"burst_fwd_finalize<{DTYPES[dtype]}, {dv}>",
+                    (out.ptr, lse.ptr, acc.ptr, m.ptr, l.ptr),
+                    (("out", out), ("lse", lse), ("acc", acc), ("m", m)), batch, c, heads, kv_heads)
 
 
-def bwd_preprocess(dtype, dv, *, dsum, dout, out, batch, c, heads):
+def bwd_preprocess(dtype, dv, *, dsum, dout, out, batch, c, heads, kv_heads):
     """D = rowsum(dout * out) in fp32."""
-    return _rowwise(f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>", batch * c * heads,
-                    (dsum.ptr, dout.ptr, out.ptr), (dsum, dout, out), batch, c, heads)
+    return _rowwise("bwd_preprocess", f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>",
+                    (dsum.ptr, dout.ptr, out.ptr), (("dsum", dsum), ("dout", dout), ("out", out)),
+                    batch, c, heads, kv_heads)
 
 
 def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, qpos, kpos, cq, ck, heads, kv_heads,
               lo, hi, scale):
     """Checked arguments of the dQ and dK/dV kernels, which differ only in ``grads``."""
+    grouped = [("q", q), ("dout", dout), ("lse", lse), ("dsum", dsum)]
+    _kind(fn, grouped + ([("dq", grads[0])] if len(grads) == 1 else []),
+          [("k", k), ("v", v)] + ([("dk", grads[0]), ("dv", grads[1])] if len(grads) == 2 else []))
     _heads(fn, heads, kv_heads)
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         _aligned(fn, name, t, dtype)
-    if (lse.sb, lse.st, lse.sh) != (dsum.sb, dsum.st, dsum.sh):
+    if tuple(lse[1:]) != tuple(dsum[1:]):
         raise ValueError(f"burstmpi.kernels.{fn}: dsum: expected the strides of lse "
                          f"{tuple(lse[1:])}, got {tuple(dsum[1:])}")
     return (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, *grads)) + (("p", qpos), ("p", kpos))

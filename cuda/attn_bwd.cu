@@ -30,7 +30,8 @@
 //   Reads the same as burst_bwd_dq; adds to dk (scaled) and dv (fp32, in place).
 //
 // lse = -inf (a row that saw no key) is read as +inf, so that exp(s - lse) is 0 there.
-// Strides as in attn_fwd.cu; lse and Dsum share one set of strides.
+// Strides as in attn_fwd.cu (four for query-side tensors, three for key-side ones); lse
+// and Dsum share one set.
 #include "tile.cuh"
 #include "mask.cuh"
 
@@ -41,21 +42,22 @@ __device__ __forceinline__ float lse_log2(float lse) {
 template <class T, int DV>
 __global__ void __launch_bounds__(128)
 burst_bwd_preprocess(float* __restrict__ Dsum, const T* __restrict__ dout, const T* __restrict__ out,
-                     long long r_sb, long long r_st, long long r_sh,
-                     long long do_sb, long long do_st, long long do_sh,
-                     long long o_sb, long long o_st, long long o_sh,
-                     int batch, int C, int heads) {
+                     long long r_sb, long long r_st, long long r_skv, long long r_sg,
+                     long long do_sb, long long do_st, long long do_skv, long long do_sg,
+                     long long o_sb, long long o_st, long long o_skv, long long o_sg,
+                     int batch, int C, int heads, int kv_heads) {
     const long long rid = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (rid >= (long long)batch * C * heads) return;  // warp-uniform; no barrier follows
     const int lane = threadIdx.x & 31;
     const int h = (int)(rid % heads), tok = (int)((rid / heads) % C), b = (int)(rid / ((long long)heads * C));
-    const T* x = dout + b * do_sb + tok * do_st + h * do_sh;
-    const T* y = out + b * o_sb + tok * o_st + h * o_sh;
+    const int hk = h / (heads / kv_heads), gi = h % (heads / kv_heads);
+    const T* x = dout + b * do_sb + tok * do_st + hk * do_skv + gi * do_sg;
+    const T* y = out + b * o_sb + tok * o_st + hk * o_skv + gi * o_sg;
     float sum = 0.f;
     for (int c = lane; c < DV; c += 32) sum += to_float(x[c]) * to_float(y[c]);
 #pragma unroll
     for (int w = 16; w > 0; w >>= 1) sum += shfl_xor(sum, w);
-    if (lane == 0) Dsum[b * r_sb + tok * r_st + h * r_sh] = sum;
+    if (lane == 0) Dsum[b * r_sb + tok * r_st + hk * r_skv + gi * r_sg] = sum;
 }
 
 template <class T, int D, int DV, int WARPS, int BN>
@@ -63,12 +65,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dsum,
              float* __restrict__ dq, const int* __restrict__ qpos, const int* __restrict__ kpos,
-             long long q_sb, long long q_st, long long q_sh,
+             long long q_sb, long long q_st, long long q_skv, long long q_sg,
              long long k_sb, long long k_st, long long k_sh,
              long long v_sb, long long v_st, long long v_sh,
-             long long do_sb, long long do_st, long long do_sh,
-             long long r_sb, long long r_st, long long r_sh,
-             long long dq_sb, long long dq_st, long long dq_sh,
+             long long do_sb, long long do_st, long long do_skv, long long do_sg,
+             long long r_sb, long long r_st, long long r_skv, long long r_sg,
+             long long dq_sb, long long dq_st, long long dq_skv, long long dq_sg,
              int Cq, int Ck, int heads, int kv_heads,
              long long lo, long long hi, float scale) {
     constexpr int BM = 16 * WARPS, NT = BN / 8, NQ = D / 8;
@@ -83,12 +85,12 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     float* scratch = reinterpret_cast<float*>(smem + QK::bytes(BM + BN) + VV::bytes(BM + BN)) + warp * 16 * (BN + 4);
 
     const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / (heads / kv_heads);
+    const int group = heads / kv_heads, hk = h / group, gi = h % group;
     const int rows_valid = imin(BM, Cq - q0);
     const T* kb = k + b * k_sb + hk * k_sh;
     const T* vb = v + b * v_sb + hk * v_sh;
-    load_rows_async<T, D>(Qs, q + b * q_sb + h * q_sh + q0 * q_st, q_st, BM, rows_valid);
-    load_rows_async<T, DV>(dOs, dout + b * do_sb + h * do_sh + q0 * do_st, do_st, BM, rows_valid);
+    load_rows_async<T, D>(Qs, q + b * q_sb + hk * q_skv + gi * q_sg + q0 * q_st, q_st, BM, rows_valid);
+    load_rows_async<T, DV>(dOs, dout + b * do_sb + hk * do_skv + gi * do_sg + q0 * do_st, do_st, BM, rows_valid);
     cp_async_commit();
 
     int row[2], qp[2];
@@ -97,7 +99,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     for (int i = 0; i < 2; ++i) {
         row[i] = q0 + warp * 16 + g + 8 * i;
         const bool ok = row[i] < Cq;
-        const long long r = b * r_sb + row[i] * r_st + h * r_sh;
+        const long long r = b * r_sb + row[i] * r_st + hk * r_skv + gi * r_sg;
         qp[i] = ok ? qpos[row[i]] : 0;
         lse2[i] = ok ? lse_log2(lse[r]) : pos_inf();
         Drow[i] = ok ? Dsum[r] : 0.f;
@@ -141,7 +143,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         if (row[i] >= Cq) continue;
-        float* out = dq + b * dq_sb + row[i] * dq_st + h * dq_sh;
+        float* out = dq + b * dq_sb + row[i] * dq_st + hk * dq_skv + gi * dq_sg;
 #pragma unroll
         for (int j = 0; j < NQ; ++j) {
             out[8 * j + 2 * t] += acc[j][2 * i];
@@ -156,11 +158,11 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dsum,
                float* __restrict__ dk, float* __restrict__ dv,
                const int* __restrict__ qpos, const int* __restrict__ kpos,
-               long long q_sb, long long q_st, long long q_sh,
+               long long q_sb, long long q_st, long long q_skv, long long q_sg,
                long long k_sb, long long k_st, long long k_sh,
                long long v_sb, long long v_st, long long v_sh,
-               long long do_sb, long long do_st, long long do_sh,
-               long long r_sb, long long r_st, long long r_sh,
+               long long do_sb, long long do_st, long long do_skv, long long do_sg,
+               long long r_sb, long long r_st, long long r_skv, long long r_sg,
                long long dk_sb, long long dk_st, long long dk_sh,
                long long dv_sb, long long dv_st, long long dv_sh,
                int Cq, int Ck, int heads, int kv_heads,
@@ -204,9 +206,9 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 
     const int kmin = kpos[k0], kmax = kpos[k0 + keys_valid - 1];
     const float scale_log2 = scale * BURST_LOG2E;
-    for (int h = hk * group; h < (hk + 1) * group; ++h) {
-        const T* qb = q + b * q_sb + h * q_sh;
-        const T* dob = dout + b * do_sb + h * do_sh;
+    for (int gi = 0; gi < group; ++gi) {
+        const T* qb = q + b * q_sb + hk * q_skv + gi * q_sg;
+        const T* dob = dout + b * do_sb + hk * do_skv + gi * do_sg;
         for (int c0 = 0; c0 < Cq; c0 += BN) {
             const int qn = imin(BN, Cq - c0);
             const int cls = classify_tile(qpos[c0], qpos[c0 + qn - 1], kmin, kmax, lo, hi);
@@ -216,7 +218,7 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
             load_rows_async<T, DV>(dOs, dob + c0 * do_st, do_st, BN, qn);
             cp_async_commit();
             for (int i = threadIdx.x; i < BN; i += blockDim.x) {
-                const long long r = b * r_sb + (c0 + i) * r_st + h * r_sh;
+                const long long r = b * r_sb + (c0 + i) * r_st + hk * r_skv + gi * r_sg;
                 lse_s[i] = i < qn ? lse_log2(lse[r]) : pos_inf();
                 D_s[i] = i < qn ? Dsum[r] : 0.f;
             }

@@ -21,9 +21,13 @@
 //   Reads acc, m, l; writes out = acc / l (T) and lse = m + log(l) (fp32). A row that saw
 //   no key gets out 0 and lse -inf.
 //
-// Strides are in elements, for the (batch, token, head) axes; the last (feature) axis is
-// contiguous, and the rows of q, k, v start 16-byte aligned for cp.async (burstmpi/kernels.py
-// checks the alignment when it builds a launch).
+// Strides are in elements. Query-side tensors (q, dout, out, acc, m, l, lse, D, dq) take
+// four: batch, token, KV head, and head within the KV head's group, so query head
+// h = hk * group + gi may live in the user's (B, C, heads, d) layout or in the ring's
+// packets, grouped (B, kv_heads, C, group, d), alike. Key-side tensors (k, v, dk, dv) take
+// three: batch, token, KV head. The last (feature) axis is contiguous, and the rows of q,
+// k, v, dout start 16-byte aligned for cp.async (burstmpi/kernels.py checks that when it
+// builds a launch).
 #include "tile.cuh"
 #include "mask.cuh"
 
@@ -32,11 +36,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l,
           const int* __restrict__ qpos, const int* __restrict__ kpos,
-          long long q_sb, long long q_st, long long q_sh,
+          long long q_sb, long long q_st, long long q_skv, long long q_sg,
           long long k_sb, long long k_st, long long k_sh,
           long long v_sb, long long v_st, long long v_sh,
-          long long a_sb, long long a_st, long long a_sh,
-          long long r_sb, long long r_st, long long r_sh,
+          long long a_sb, long long a_st, long long a_skv, long long a_sg,
+          long long r_sb, long long r_st, long long r_skv, long long r_sg,
           int Cq, int Ck, int heads, int kv_heads,
           long long lo, long long hi, float scale) {
     constexpr int BM = 16 * WARPS, NT = BN / 8, NO = DV / 8;
@@ -50,11 +54,11 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     float* scratch = reinterpret_cast<float*>(smem + QK::bytes(BM + BN) + VV::bytes(BN)) + warp * 16 * (BN + 4);
 
     const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / (heads / kv_heads);
+    const int group = heads / kv_heads, hk = h / group, gi = h % group;
     const int rows_valid = imin(BM, Cq - q0);
     const T* kb = k + b * k_sb + hk * k_sh;
     const T* vb = v + b * v_sb + hk * v_sh;
-    load_rows_async<T, D>(Qs, q + b * q_sb + h * q_sh + q0 * q_st, q_st, BM, rows_valid);
+    load_rows_async<T, D>(Qs, q + b * q_sb + hk * q_skv + gi * q_sg + q0 * q_st, q_st, BM, rows_valid);
     cp_async_commit();
 
     // This thread's two rows (g and g+8 of its warp's 16), their state and positions.
@@ -65,8 +69,8 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     for (int i = 0; i < 2; ++i) {
         row[i] = q0 + warp * 16 + g + 8 * i;
         const bool ok = row[i] < Cq;
-        const long long r = b * r_sb + row[i] * r_st + h * r_sh;
-        const float* a = acc + b * a_sb + row[i] * a_st + h * a_sh;
+        const long long r = b * r_sb + row[i] * r_st + hk * r_skv + gi * r_sg;
+        const float* a = acc + b * a_sb + row[i] * a_st + hk * a_skv + gi * a_sg;
         qp[i] = ok ? qpos[row[i]] : 0;
         mrow[i] = ok ? m[r] * BURST_LOG2E : neg_inf();
         lrow[i] = ok ? l[r] : 0.f;
@@ -152,8 +156,8 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         if (row[i] >= Cq) continue;
-        const long long r = b * r_sb + row[i] * r_st + h * r_sh;
-        float* a = acc + b * a_sb + row[i] * a_st + h * a_sh;
+        const long long r = b * r_sb + row[i] * r_st + hk * r_skv + gi * r_sg;
+        float* a = acc + b * a_sb + row[i] * a_st + hk * a_skv + gi * a_sg;
         m[r] = mrow[i] * BURST_LN2;
         l[r] = lrow[i];
 #pragma unroll
@@ -168,21 +172,22 @@ template <class T, int DV>
 __global__ void __launch_bounds__(128)
 burst_fwd_finalize(T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ acc,
                    const float* __restrict__ m, const float* __restrict__ l,
-                   long long o_sb, long long o_st, long long o_sh,
-                   long long lse_sb, long long lse_st, long long lse_sh,
-                   long long a_sb, long long a_st, long long a_sh,
-                   long long r_sb, long long r_st, long long r_sh,
-                   int batch, int C, int heads) {
+                   long long o_sb, long long o_st, long long o_skv, long long o_sg,
+                   long long lse_sb, long long lse_st, long long lse_skv, long long lse_sg,
+                   long long a_sb, long long a_st, long long a_skv, long long a_sg,
+                   long long r_sb, long long r_st, long long r_skv, long long r_sg,
+                   int batch, int C, int heads, int kv_heads) {
     const long long rid = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (rid >= (long long)batch * C * heads) return;  // warp-uniform; no barrier follows
     const int lane = threadIdx.x & 31;
     const int h = (int)(rid % heads), tok = (int)((rid / heads) % C), b = (int)(rid / ((long long)heads * C));
-    const long long r = b * r_sb + tok * r_st + h * r_sh;
+    const int hk = h / (heads / kv_heads), gi = h % (heads / kv_heads);
+    const long long r = b * r_sb + tok * r_st + hk * r_skv + gi * r_sg;
     const float lv = l[r];
     const bool seen = lv > 0.f;
     const float inv = seen ? 1.f / lv : 0.f;
-    const float* a = acc + b * a_sb + tok * a_st + h * a_sh;
-    T* o = out + b * o_sb + tok * o_st + h * o_sh;
+    const float* a = acc + b * a_sb + tok * a_st + hk * a_skv + gi * a_sg;
+    T* o = out + b * o_sb + tok * o_st + hk * o_skv + gi * o_sg;
     for (int c = lane; c < DV; c += 32) o[c] = from_float<T>(a[c] * inv);
-    if (lane == 0) lse[b * lse_sb + tok * lse_st + h * lse_sh] = seen ? m[r] + logf(lv) : neg_inf();
+    if (lane == 0) lse[b * lse_sb + tok * lse_st + hk * lse_skv + gi * lse_sg] = seen ? m[r] + logf(lv) : neg_inf();
 }

@@ -171,9 +171,13 @@ class Guarded:
         return self.array.ctypes.data
 
     def strided(self, axes=(0, 1, 2)):
-        """burstmpi.kernels.Strided over the given (batch, token, head) axes."""
+        """burstmpi.kernels.Strided (key side) over the given (batch, token, head) axes."""
         st = [self.array.strides[a] // self.dtype.itemsize for a in axes]
         return kernels.Strided(self.ptr, *st)
+
+    def grouped(self, group, axes=(0, 1, 2)):
+        """burstmpi.kernels.Grouped (query side) of an array with (batch, token, head) axes."""
+        return kernels.Grouped.of_heads(*self.strided(axes), group)
 
     def intact(self):
         g = self.guard
@@ -208,6 +212,7 @@ class Emulated:
     def forward(self, q, blocks, qpos, win, scale):
         """(out, lse) of queries ``q`` over key blocks [(k, v, kpos), ...], merged in order."""
         B, C, Z, _ = q.shape
+        g = Z // blocks[0][0].shape[2]
         gq = self._g(q)
         acc = self._g(np.zeros((B, C, Z, self.dv)), np.float32)
         m = self._g(np.full((B, C, Z), -np.inf), np.float32)
@@ -215,16 +220,16 @@ class Emulated:
         gqp = self._g(qpos, np.int32)
         for k, v, kpos in blocks:
             gk, gv, gkp = self._g(k), self._g(v), self._g(kpos, np.int32)
-            self._run(kernels.fwd(self.dtype, self.d, self.dv, q=gq.strided(), k=gk.strided(),
-                                  v=gv.strided(), acc=acc.strided(), m=m.strided(), l=l.strided(),
+            self._run(kernels.fwd(self.dtype, self.d, self.dv, q=gq.grouped(g), k=gk.strided(),
+                                  v=gv.strided(), acc=acc.grouped(g), m=m.grouped(g), l=l.grouped(g),
                                   qpos=gqp.ptr, kpos=gkp.ptr, batch=B, cq=C, ck=k.shape[1],
                                   heads=Z, kv_heads=k.shape[2], lo=win.lo, hi=win.hi, scale=scale,
                                   smem_limit=self.smem_limit))
         out = self._g(np.zeros((B, C, Z, self.dv)))
         lse = self._g(np.zeros((B, Z, C)), np.float32)
-        self._run(kernels.fwd_finalize(self.dtype, self.dv, out=out.strided(), lse=lse.strided((0, 2, 1)),
-                                       acc=acc.strided(), m=m.strided(), l=l.strided(),
-                                       batch=B, c=C, heads=Z))
+        self._run(kernels.fwd_finalize(self.dtype, self.dv, out=out.grouped(g),
+                                       lse=lse.grouped(g, (0, 2, 1)), acc=acc.grouped(g), m=m.grouped(g),
+                                       l=l.grouped(g), batch=B, c=C, heads=Z, kv_heads=Z // g))
         return out.array.copy(), lse.array.copy()
 
     def backward(self, q_blocks, k_blocks, scale, win):
@@ -235,28 +240,31 @@ class Emulated:
         with dq scaled, one array per block.
         """
         qs = []
+        Zkv = k_blocks[0][0].shape[2]
         for q, do, out, lse, qpos in q_blocks:
             B, C, Z, _ = q.shape
+            g = Z // Zkv
             gdo, gout = self._g(do), self._g(out)
             dsum = self._g(np.zeros((B, Z, C)), np.float32)
-            self._run(kernels.bwd_preprocess(self.dtype, self.dv, dsum=dsum.strided((0, 2, 1)),
-                                             dout=gdo.strided(), out=gout.strided(), batch=B, c=C, heads=Z))
+            self._run(kernels.bwd_preprocess(self.dtype, self.dv, dsum=dsum.grouped(g, (0, 2, 1)),
+                                             dout=gdo.grouped(g), out=gout.grouped(g), batch=B, c=C,
+                                             heads=Z, kv_heads=Zkv))
             qs.append(dict(q=self._g(q), do=gdo, lse=self._g(lse, np.float32), dsum=dsum,
                            qpos=self._g(qpos, np.int32), dq=self._g(np.zeros(q.shape), np.float32), C=C))
         ks = [dict(k=self._g(k), v=self._g(v), kpos=self._g(kpos, np.int32),
                    dk=self._g(np.zeros(k.shape), np.float32), dv=self._g(np.zeros(v.shape), np.float32),
                    C=k.shape[1]) for k, v, kpos in k_blocks]
         B, Z = q_blocks[0][0].shape[0], q_blocks[0][0].shape[2]
-        Zkv = k_blocks[0][0].shape[2]
+        g = Z // Zkv
         for qb in qs:
             for kb in ks:
-                common = dict(q=qb["q"].strided(), k=kb["k"].strided(), v=kb["v"].strided(),
-                              dout=qb["do"].strided(), lse=qb["lse"].strided((0, 2, 1)),
-                              dsum=qb["dsum"].strided((0, 2, 1)), qpos=qb["qpos"].ptr,
+                common = dict(q=qb["q"].grouped(g), k=kb["k"].strided(), v=kb["v"].strided(),
+                              dout=qb["do"].grouped(g), lse=qb["lse"].grouped(g, (0, 2, 1)),
+                              dsum=qb["dsum"].grouped(g, (0, 2, 1)), qpos=qb["qpos"].ptr,
                               kpos=kb["kpos"].ptr, batch=B, cq=qb["C"], ck=kb["C"], heads=Z,
                               kv_heads=Zkv, lo=win.lo, hi=win.hi, scale=scale,
                               smem_limit=self.smem_limit)
-                self._run(kernels.bwd_dq(self.dtype, self.d, self.dv, dq=qb["dq"].strided(), **common))
+                self._run(kernels.bwd_dq(self.dtype, self.d, self.dv, dq=qb["dq"].grouped(g), **common))
                 for spec in kernels.bwd_dkdv(self.dtype, self.d, self.dv, dk=kb["dk"].strided(),
                                              dv_=kb["dv"].strided(), **common):
                     self._run(spec)

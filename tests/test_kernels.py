@@ -7,6 +7,7 @@ import pytest
 from burstmpi import kernels
 
 ALIGNED = kernels.Strided(ptr=1 << 20, sb=4096, st=256, sh=64)
+GROUPED = kernels.Grouped.of_heads(1 << 20, 4096, 256, 64, group=2)
 
 
 def test_program_inlines_every_header_once():
@@ -32,7 +33,7 @@ def test_every_configuration_fits_shared_memory(arch):
 
 
 def _fwd(**over):
-    args = dict(q=ALIGNED, k=ALIGNED, v=ALIGNED, acc=ALIGNED, m=ALIGNED, l=ALIGNED, qpos=0, kpos=0,
+    args = dict(q=GROUPED, k=ALIGNED, v=ALIGNED, acc=GROUPED, m=GROUPED, l=GROUPED, qpos=0, kpos=0,
                 batch=2, cq=100, ck=70, heads=4, kv_heads=2, lo=5, hi=0, scale=0.125)
     args.update(over)
     return kernels.fwd("float16", 64, 64, **args)
@@ -44,21 +45,29 @@ def test_launch_is_plain_data():
     assert spec.grid == (2, 4, 2) and spec.block == (128, 1, 1)
     assert spec.smem == kernels.smem_bytes("fwd", "float16", 64, 64, kernels.Config(4, 64))
     kinds = "".join(kind for kind, _ in spec.args)
-    assert kinds == "p" * 8 + "q" * 15 + "i" * 4 + "qqf"
-    two = kernels.bwd_dkdv("bfloat16", 256, 256, q=ALIGNED, k=ALIGNED, v=ALIGNED, dout=ALIGNED,
-                           lse=ALIGNED, dsum=ALIGNED, dk=ALIGNED, dv_=ALIGNED, qpos=0, kpos=0, batch=1,
+    assert kinds == "p" * 8 + "q" * (4 + 3 + 3 + 4 + 4) + "i" * 4 + "qqf"
+    two = kernels.bwd_dkdv("bfloat16", 256, 256, q=GROUPED, k=ALIGNED, v=ALIGNED, dout=GROUPED,
+                           lse=GROUPED, dsum=GROUPED, dk=ALIGNED, dv_=ALIGNED, qpos=0, kpos=0, batch=1,
                            cq=10, ck=10, heads=2, kv_heads=1, lo=0, hi=0, scale=1.0)
     assert [s.kernel[-3:] for s in two] == [" 1>", " 2>"]
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(q=ALIGNED._replace(ptr=(1 << 20) + 2)), r"fwd: q: expected 16-byte aligned rows .* address 0x100002"),
+    (dict(q=GROUPED._replace(ptr=(1 << 20) + 2)), r"fwd: q: expected 16-byte aligned rows .* address 0x100002"),
     (dict(k=ALIGNED._replace(st=100)), r"fwd: k: expected 16-byte aligned rows .* strides \(4096, 100, 64\)"),
     (dict(heads=5), r"fwd: heads: expected a multiple of kv_heads=2, got 5"),
+    (dict(l=GROUPED._replace(st=512)), r"fwd: l: expected the strides of m \(4096, 256, 128, 64\), got"),
 ])
 def test_launch_checks_name_the_argument(over, match):
     with pytest.raises(ValueError, match=match):
         _fwd(**over)
+
+
+def test_query_and_key_sides_are_not_mixed_up():
+    with pytest.raises(TypeError, match=r"fwd: q: expected burstmpi.kernels.Grouped, got Strided"):
+        _fwd(q=ALIGNED)
+    with pytest.raises(TypeError, match=r"fwd: k: expected burstmpi.kernels.Strided, got Grouped"):
+        _fwd(k=GROUPED)
 
 
 def test_unsupported_head_dims_and_dtypes_are_named():
