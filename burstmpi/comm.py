@@ -18,7 +18,11 @@ Misuse (posting twice, waiting with nothing posted) raises instead of corrupting
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["private_comm", "MPITransport", "Channel", "PartialChannel"]
+__all__ = ["private_comm", "MPITransport", "Channel", "PartialChannel", "field_bytes"]
+
+# Every field of a packet starts on a 16-byte boundary: the CUDA kernels copy rows with
+# 16-byte cp.async, and views into one buffer keep the alignment only if each field does.
+FIELD_ALIGN = 16
 
 _KEYVAL = None
 
@@ -66,15 +70,21 @@ class MPITransport:
         return MPI.Request.Testall(requests)
 
 
+def field_bytes(shape, dtype):
+    """Bytes one packet field takes, padded to the next field's 16-byte boundary."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return -(-n // FIELD_ALIGN) * FIELD_ALIGN
+
+
 def _packet(fields, alloc):
     """One contiguous byte buffer holding every field, plus a view per field."""
-    # Largest itemsize first keeps every field aligned to its own itemsize.
     order = sorted(fields, key=lambda f: -np.dtype(f[2]).itemsize)
-    sizes = [int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in order]
+    sizes = [field_bytes(shape, dt) for _, shape, dt in order]
     raw = alloc(sum(sizes))
     views, off = {}, 0
     for (name, shape, dt), n in zip(order, sizes):
-        views[name] = raw[off:off + n].view(dt).reshape(shape)
+        used = int(np.prod(shape)) * np.dtype(dt).itemsize
+        views[name] = raw[off:off + used].view(dt).reshape(shape)
         off += n
     return raw, views
 

@@ -305,11 +305,8 @@ def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, qpos, kpos, cq, ck, he
     _heads(fn, heads, kv_heads)
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         _aligned(fn, name, t, dtype)
-    if tuple(lse[1:]) != tuple(dsum[1:]):
-        raise ValueError(f"burstmpi.kernels.{fn}: dsum: expected the strides of lse "
-                         f"{tuple(lse[1:])}, got {tuple(dsum[1:])}")
     return (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, *grads)) + (("p", qpos), ("p", kpos))
-            + _strides(q, k, v, dout, lse, *grads)
+            + _strides(q, k, v, dout, lse, dsum, *grads)
             + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
 
 

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .comm import Channel, PartialChannel
+from .comm import Channel, PartialChannel, field_bytes
 
 __all__ = ["forward", "backward", "packet_fields", "nbytes", "bytes_per_step"]
 
@@ -29,8 +29,8 @@ TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
 
 
 def nbytes(fields):
-    """Payload bytes of a list of (name, shape, dtype) fields."""
-    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in fields)
+    """Bytes of a packet of (name, shape, dtype) fields, as ``burstmpi.comm`` packs them."""
+    return sum(field_bytes(shape, dt) for _, shape, dt in fields)
 
 
 def packet_fields(mode, dims, dtype, acc):
@@ -121,7 +121,7 @@ def forward(plan, q, k, v, dims):
             timer.run("compute", be.fwd_block, q_rows, cur["k"], cur["v"], state, qpos,
                       plan.layout.positions(sched.owners[t]), plan.window, plan.scale,
                       poll=chan.progress)
-    out_rows, lse_rows = be.fwd_finalize(state)
+    out_rows, lse_rows = be.fwd_finalize(state, q.dtype)
     del state
     out = _from_rows(xp, out_rows, q.dtype)
     del out_rows
@@ -142,8 +142,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     timer, t_start = _Timer(), time.perf_counter()
 
     # D = rowsum(dO * O), once and locally, so O itself never travels.
-    D = (dout.astype(acc, copy=False) * out.astype(acc, copy=False)).sum(axis=-1)  # (B, C, Z)
-    D = D.reshape(B, C, Zkv, g).transpose(0, 2, 1, 3)                 # (B, Zkv, C, g)
+    D = be.bwd_preprocess(dout, out, Zkv, acc)                         # (B, Zkv, C, g)
     lse_rows = lse.astype(acc).reshape(B, Zkv, g, C).transpose(0, 1, 3, 2)
     # Rows that saw no key have lse = -inf; +inf makes exp(s - lse) exactly 0 there.
     lse_rows = xp.where(lse_rows == -np.inf, np.inf, lse_rows)

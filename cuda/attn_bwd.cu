@@ -30,8 +30,7 @@
 //   Reads the same as burst_bwd_dq; adds to dk (scaled) and dv (fp32, in place).
 //
 // lse = -inf (a row that saw no key) is read as +inf, so that exp(s - lse) is 0 there.
-// Strides as in attn_fwd.cu (four for query-side tensors, three for key-side ones); lse
-// and Dsum share one set.
+// Strides as in attn_fwd.cu: four for query-side tensors, three for key-side ones.
 #include "tile.cuh"
 #include "mask.cuh"
 
@@ -70,6 +69,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              long long v_sb, long long v_st, long long v_sh,
              long long do_sb, long long do_st, long long do_skv, long long do_sg,
              long long r_sb, long long r_st, long long r_skv, long long r_sg,
+             long long ds_sb, long long ds_st, long long ds_skv, long long ds_sg,
              long long dq_sb, long long dq_st, long long dq_skv, long long dq_sg,
              int Cq, int Ck, int heads, int kv_heads,
              long long lo, long long hi, float scale) {
@@ -100,9 +100,10 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         row[i] = q0 + warp * 16 + g + 8 * i;
         const bool ok = row[i] < Cq;
         const long long r = b * r_sb + row[i] * r_st + hk * r_skv + gi * r_sg;
+        const long long rd = b * ds_sb + row[i] * ds_st + hk * ds_skv + gi * ds_sg;
         qp[i] = ok ? qpos[row[i]] : 0;
         lse2[i] = ok ? lse_log2(lse[r]) : pos_inf();
-        Drow[i] = ok ? Dsum[r] : 0.f;
+        Drow[i] = ok ? Dsum[rd] : 0.f;
     }
     float acc[NQ][4];
 #pragma unroll
@@ -163,6 +164,7 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                long long v_sb, long long v_st, long long v_sh,
                long long do_sb, long long do_st, long long do_skv, long long do_sg,
                long long r_sb, long long r_st, long long r_skv, long long r_sg,
+               long long ds_sb, long long ds_st, long long ds_skv, long long ds_sg,
                long long dk_sb, long long dk_st, long long dk_sh,
                long long dv_sb, long long dv_st, long long dv_sh,
                int Cq, int Ck, int heads, int kv_heads,
@@ -219,8 +221,9 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
             cp_async_commit();
             for (int i = threadIdx.x; i < BN; i += blockDim.x) {
                 const long long r = b * r_sb + (c0 + i) * r_st + hk * r_skv + gi * r_sg;
+                const long long rd = b * ds_sb + (c0 + i) * ds_st + hk * ds_skv + gi * ds_sg;
                 lse_s[i] = i < qn ? lse_log2(lse[r]) : pos_inf();
-                D_s[i] = i < qn ? Dsum[r] : 0.f;
+                D_s[i] = i < qn ? Dsum[rd] : 0.f;
             }
             cp_async_wait<0>();
             __syncthreads();

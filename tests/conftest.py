@@ -67,29 +67,33 @@ def check_close(name, ours, exact, plain, dtype, record=True):
 
 def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=False,
              window=None, layout="contiguous", bwd_comm="burst", softmax_scale=None, seed=0,
-             check_backward=True):
-    """Run forward and backward on COMM_WORLD and check them against float64."""
+             check_backward=True, backend=None, tag=""):
+    """Run forward and backward on COMM_WORLD and check them against float64.
+
+    ``backend``: a backend object to run the plan on instead of the default one;
+    ``tag`` prefixes the quantity names in the error table."""
     N = C * NRANKS
     q, k, v, do = ref.random_problem(B, N, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     opts = dict(causal=causal, window=window, softmax_scale=softmax_scale)
     sh = lambda x: burstmpi.shard(x, layout=layout)
     un = lambda x, axis=1: burstmpi.unshard(x, layout=layout, axis=axis)
     plan = burstmpi.BurstAttention(layout=layout, bwd_comm=bwd_comm, **opts)
+    plan.backend = backend
     ql, kl, vl, dol = sh(q), sh(k), sh(v), sh(do)
     out, lse = plan.forward(ql, kl, vl)
     assert out.dtype == ql.dtype and out.shape == ql.shape[:3] + (vl.shape[3],)
     assert lse.shape == (B, Z, C)
     o64, l64 = ref.forward(q, k, v, **opts)
     op, lp = ref.forward(q, k, v, precision="plain", **opts)
-    errs = {"out": check_close("out", un(out), o64, op, dtype),
-            "lse": check_close("lse", un(lse, axis=2), l64, lp, dtype)}
+    errs = {"out": check_close(tag + "out", un(out), o64, op, dtype),
+            "lse": check_close(tag + "lse", un(lse, axis=2), l64, lp, dtype)}
     if check_backward:
         dq, dk, dv_ = plan.backward(dol, ql, kl, vl, out, lse)
         exact = ref.backward(do, q, k, v, **opts)
         plain = ref.backward(do, q, k, v, precision="plain", **opts)
         for name, ours, e, p in zip(("dq", "dk", "dv"), (dq, dk, dv_), exact, plain):
             assert ours.dtype == ql.dtype
-            errs[name] = check_close(name, un(ours), e, p, dtype)
+            errs[name] = check_close(tag + name, un(ours), e, p, dtype)
     return plan, errs
 
 

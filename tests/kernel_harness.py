@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from burstmpi import kernels
+from burstmpi.backends import KernelBackend
 from burstmpi.interop import bfloat16
 
 EMULATOR = Path(__file__).resolve().parent / "emulator"
@@ -270,3 +271,37 @@ class Emulated:
                     self._run(spec)
         return ([qb["dq"].array * np.float32(scale) for qb in qs], [kb["dk"].array.copy() for kb in ks],
                 [kb["dv"].array.copy() for kb in ks])
+
+
+# -- the whole ring on the emulated kernels ----------------------------------------------------
+
+class EmulatedBackend(KernelBackend):
+    """burstmpi's kernel backend with NumPy arrays standing in for device memory and the
+    emulator for the GPU: the ring, the backend's launch descriptions and the kernels run
+    together, under mpiexec too, on a machine without a GPU."""
+
+    xp = np
+
+    def __init__(self, lib, schedule="forward/late", smem_limit=kernels.SMEM_LIMIT["sm_90"]):
+        super().__init__(smem_limit)
+        self.lib, self.schedule = lib, schedule
+        self.launches = 0
+
+    @staticmethod
+    def ptr(a):
+        return a.ctypes.data
+
+    def to_device(self, a):
+        return np.ascontiguousarray(a)
+
+    def launch(self, spec):
+        launch(self.lib, spec, self.schedule)
+        self.launches += 1
+
+
+def backend_library(configs, smem_limit=kernels.SMEM_LIMIT["sm_90"]):
+    """One emulator library with every kernel of the given (dtype, d, dv) configurations."""
+    names = []
+    for dtype, d, dv in configs:
+        names += [n for n in kernels.kernel_names(dtype, d, dv, smem_limit) if n not in names]
+    return build(names)

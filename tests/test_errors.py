@@ -117,7 +117,7 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
     qpos, kpos = np.arange(6), np.arange(3, 8)  # causal: queries 0..2 see none of keys 3..7
     state = be.fwd_state(1, 1, 6, 2, 8, np.float32)
     be.fwd_block(q, k, v, state, qpos, kpos, Window(causal=True), 0.3)
-    out, lse = be.fwd_finalize(state)
+    out, lse = be.fwd_finalize(state, np.float32)
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     assert (out[:, :, :3] == 0).all() and (lse[:, :, :3] == -np.inf).all()
     assert np.isfinite(lse[:, :, 3:]).all()

@@ -1,13 +1,16 @@
 """Backends: the local work of one ring step, for one kind of memory.
 
-A backend provides ``xp`` (the array module), ``alloc(nbytes)`` and the local kernels
-``fwd_block``, ``fwd_finalize`` and ``bwd_block``. The ring algorithm in
-``burstmpi.ring`` is written once against this interface.
+A backend provides ``xp`` (the array module), ``alloc(nbytes)``, ``acc_dtype`` and the
+local work of a ring step: ``fwd_state``, ``fwd_block``, ``fwd_finalize``,
+``bwd_preprocess`` and ``bwd_block``. The ring algorithm in ``burstmpi.ring`` is written
+once against this interface. ``NumpyBackend`` computes with NumPy on the CPU;
+``KernelBackend`` launches burstmpi's CUDA kernels (``cuda/``).
 """
 
+from .kernel_backend import KernelBackend
 from .numpy_backend import NumpyBackend
 
-__all__ = ["NumpyBackend", "get_backend"]
+__all__ = ["NumpyBackend", "KernelBackend", "get_backend"]
 
 
 def get_backend(name):

@@ -131,10 +131,11 @@ class NumpyBackend:
                     poll()
 
     @staticmethod
-    def fwd_finalize(state):
+    def fwd_finalize(state, dtype):
         """Return (out, lse) from the running state, normalising ``acc`` in place.
 
-        Rows that saw no key give 0 and -inf.
+        Rows that saw no key give 0 and -inf. ``out`` stays in the accumulation dtype
+        (the ring converts it to ``dtype`` as it copies it into the caller's layout).
         """
         acc, m, l = state
         seen = l > 0
@@ -144,6 +145,13 @@ class NumpyBackend:
         return acc, lse
 
     # -- backward ---------------------------------------------------------------------
+
+    @staticmethod
+    def bwd_preprocess(dout, out, Zkv, acc):
+        """D = rowsum(dout * out) as (B, Zkv, C, g), from (B, C, Z, dv) arrays."""
+        B, C, Z, _ = dout.shape
+        D = (dout.astype(acc, copy=False) * out.astype(acc, copy=False)).sum(axis=-1)
+        return D.reshape(B, C, Zkv, Z // Zkv).transpose(0, 2, 1, 3)
 
     def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qpos, kpos, win, scale, poll=None):
         """Accumulate the gradients of one (query block, key block) pair.
