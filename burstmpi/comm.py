@@ -15,6 +15,8 @@ still be in flight while step t+1 fills the other.
 Misuse (posting twice, waiting with nothing posted) raises instead of corrupting data.
 """
 
+import contextlib
+
 import numpy as np
 from mpi4py import MPI
 
@@ -52,6 +54,13 @@ class MPITransport:
 
     def __init__(self, comm):
         self.comm = comm
+
+    @staticmethod
+    def group():
+        """The transfers of one ring step are posted inside this context. MPI matches
+        messages whatever their order, so it is nothing here; a transport that runs its
+        transfers in order (NCCL) starts them together when the context closes."""
+        return contextlib.nullcontext()
 
     def isend(self, buf, dest, tag):
         return self.comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag)

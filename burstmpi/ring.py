@@ -66,16 +66,30 @@ class _Timer:
         return out
 
 
-def _steps(plan, chan, sched, timer):
-    """Yield the ring steps, posting each step's transfer before its compute and
-    waiting after it: the double-buffering rhythm of every phase."""
-    for t in range(plan.nranks):
-        more = t < plan.nranks - 1
-        if more:
-            chan.post(send=sched.send[t], recv=sched.recv[t])
+def _steps(plan, chan, sched, timer, partials=None):
+    """Yield the ring steps, posting each step's transfers before its compute and waiting
+    after it: the double-buffering rhythm of every phase.
+
+    A step's transfers (the packet for the next step and, through ``partials(t)``, the
+    gradient partials) are posted as one group, and a last group follows the last step.
+    Transports that run transfers in order on one stream (NCCL) need exactly this: every
+    rank's t-th group then pairs with its neighbours' t-th groups, so no rank can wait
+    on a transfer its neighbour has queued behind one that waits for it.
+    """
+    P = plan.nranks
+    for t in range(P):
+        more = t < P - 1
+        with plan.transport.group():
+            if more:
+                chan.post(send=sched.send[t], recv=sched.recv[t])
+            if partials is not None:
+                partials(t)
         yield t
         if more:
             timer.run("wait", chan.wait)
+    if partials is not None:
+        with plan.transport.group():
+            partials(P)
 
 
 def _rows(x, Zkv):
@@ -154,10 +168,16 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     for name, view in chan.current.items():
         view[...] = travelling[name]
 
-    here = plan.layout.positions(plan.rank)
-    for t in _steps(plan, chan, sched, timer):
-        if sched.partial_recv[t]:
+    def partials(t):
+        # The partial finished at step t-1 leaves with step t's packet; the partial that
+        # step t adds to (or, after the last step, the one coming home) arrives with it.
+        if t >= 2 and sched.partial_send[t - 1]:
+            part.post_send()
+        if (t < sched.P and sched.partial_recv[t]) or (t == sched.P and sched.partial_home):
             part.post_recv()
+
+    here = plan.layout.positions(plan.rank)
+    for t in _steps(plan, chan, sched, timer, partials):
         there = plan.layout.positions(sched.owners[t])
         qs, ks = (chan.current, home_k) if mode == "burst" else (home_q, chan.current)
         qpos, kpos = (there, here) if mode == "burst" else (here, there)
@@ -169,13 +189,10 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
                       ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
                       qpos, kpos, plan.window, plan.scale,
                       poll=lambda: (chan.progress(), part.progress()))
-        if t > 0 and sched.partial_send[t]:
-            if sched.partial_recv[t]:
-                for name, view in timer.run("wait", part.received).items():
-                    target[name] += view
-            part.post_send()
+        if t > 0 and sched.partial_recv[t]:
+            for name, view in timer.run("wait", part.received).items():
+                target[name] += view
     if sched.partial_home:
-        part.post_recv()
         for name, view in timer.run("wait", part.received).items():
             grads[name] += view
     timer.run("wait", part.drain)

@@ -67,10 +67,11 @@ def check_close(name, ours, exact, plain, dtype, record=True):
 
 def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=False,
              window=None, layout="contiguous", bwd_comm="burst", softmax_scale=None, seed=0,
-             check_backward=True, backend=None, tag=""):
+             check_backward=True, backend=None, transport=None, tag=""):
     """Run forward and backward on COMM_WORLD and check them against float64.
 
     ``backend``: a backend object to run the plan on instead of the default one;
+    ``transport``: a transport class to build the plan's transport from;
     ``tag`` prefixes the quantity names in the error table."""
     N = C * NRANKS
     q, k, v, do = ref.random_problem(B, N, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
@@ -79,6 +80,8 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
     un = lambda x, axis=1: burstmpi.unshard(x, layout=layout, axis=axis)
     plan = burstmpi.BurstAttention(layout=layout, bwd_comm=bwd_comm, **opts)
     plan.backend = backend
+    if transport is not None:
+        plan.transport = transport(plan.comm)
     ql, kl, vl, dol = sh(q), sh(k), sh(v), sh(do)
     out, lse = plan.forward(ql, kl, vl)
     assert out.dtype == ql.dtype and out.shape == ql.shape[:3] + (vl.shape[3],)

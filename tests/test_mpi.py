@@ -20,7 +20,7 @@ from conftest import MULTIRANK, NRANKS
 
 HERE = Path(__file__).resolve().parent
 SUITE = ["test_attention.py", "test_schedule.py", "test_errors.py", "test_interop.py", "test_bench.py",
-         "test_kernel_backend.py"]
+         "test_kernel_backend.py", "test_transfer_order.py"]
 # 2, 3 and 4 as the issue asks, plus 5 (odd) and 8 (more ranks than this CI has cores x 4).
 RANKS = [2, 3, 4, 5, 8]
 MPIEXEC = shutil.which("mpiexec")
@@ -32,8 +32,11 @@ pytestmark = [
 ]
 
 
-def mpiexec(n, args, timeout, **env_extra):
-    """Run ``mpiexec -n n python -m mpi4py ARGS``; return (returncode, output, seconds)."""
+def mpiexec(n, args, timeout, expect_hang=False, **env_extra):
+    """Run ``mpiexec -n n python -m mpi4py ARGS``; return (returncode, output, seconds).
+
+    A run that outlives ``timeout`` is killed and fails the test, unless ``expect_hang``:
+    then it returns (None, output, seconds)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", BURSTMPI_UNDER_MPIEXEC="1",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
                **env_extra)
@@ -46,6 +49,8 @@ def mpiexec(n, args, timeout, **env_extra):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
+        if expect_hang:
+            return None, out, time.perf_counter() - t0
         pytest.fail(f"mpiexec -n {n} {' '.join(args)} hung for {timeout} s:\n{out[-4000:]}")
     return proc.returncode, out, time.perf_counter() - t0
 
@@ -88,3 +93,30 @@ def test_exception_on_one_rank_ends_the_job(where):
     assert rc != 0, f"the job survived an exception on rank 1:\n{out[-2000:]}"
     assert "boom on rank 1" in out
     assert secs < 60, f"aborting took {secs:.0f} s"
+
+
+def test_in_order_transport_hangs_on_unpaired_groups():
+    """The check behind test_transfer_order.py is real: two ranks that each queue a send
+    ahead of the receive its neighbour needs deadlock on InOrderTransport (as they could
+    on NCCL), while the same calls on plain MPI complete."""
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from mpi4py import MPI
+        from burstmpi.comm import MPITransport
+        from ordered_transport import InOrderTransport
+        comm = MPI.COMM_WORLD
+        t = (InOrderTransport if sys.argv[1] == "in-order" else MPITransport)(comm)
+        peer, buf, got = 1 - comm.Get_rank(), np.ones(4), np.zeros(4)
+        reqs = []
+        with t.group():
+            reqs.append(t.isend(buf, peer, 5))
+        with t.group():
+            reqs.append(t.irecv(got, peer, 5))
+        t.wait(reqs)
+        print("completed", flush=True)
+    """)
+    rc, out, _ = mpiexec(2, ["-c", script, "mpi"], timeout=60)
+    assert rc == 0 and out.count("completed") == 2, out[-2000:]
+    rc, out, secs = mpiexec(2, ["-c", script, "in-order"], timeout=10, expect_hang=True)
+    assert rc is None and "completed" not in out, f"expected a deadlock, got exit {rc}:\n{out[-2000:]}"
