@@ -20,7 +20,8 @@ import contextlib
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["private_comm", "MPITransport", "Channel", "PartialChannel", "field_bytes"]
+__all__ = ["private_comm", "MPITransport", "StagedMPITransport", "Channel", "PartialChannel",
+           "field_bytes"]
 
 # Every field of a packet starts on a 16-byte boundary: the CUDA kernels copy rows with
 # 16-byte cp.async, and views into one buffer keep the alignment only if each field does.
@@ -83,6 +84,65 @@ def field_bytes(shape, dtype):
     """Bytes one packet field takes, padded to the next field's 16-byte boundary."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
     return -(-n // FIELD_ALIGN) * FIELD_ALIGN
+
+
+class _Staged:
+    """An MPI request on a host copy of a device buffer."""
+
+    __slots__ = ("req", "host", "device")
+
+    def __init__(self, req, host, device=None):
+        self.req, self.host, self.device = req, host, device
+
+
+class StagedMPITransport(MPITransport):
+    """MPI transfers of device buffers through host copies, for MPIs that are not
+    CUDA-aware (and for ranks that share a GPU, which NCCL refuses).
+
+    ``to_host(buf, out)`` copies a device buffer into a host one after the producing
+    kernels have finished; ``to_device(host, buf)`` copies back and returns once done.
+    Host buffers are kept per device buffer, so a plan allocates them once.
+    """
+
+    name = "mpi-staged"
+
+    def __init__(self, comm, to_host, to_device, alloc_host=None):
+        super().__init__(comm)
+        self._to_host, self._to_device = to_host, to_device
+        self._alloc_host = alloc_host or (lambda n: np.empty(n, dtype=np.uint8))
+        self._hosts = {}
+
+    def _host(self, buf, role):
+        key = (role, buf.nbytes, _address(buf))
+        host = self._hosts.get(key)
+        if host is None:
+            host = self._hosts[key] = self._alloc_host(buf.nbytes)
+        return host
+
+    def isend(self, buf, dest, tag):
+        host = self._host(buf, "send")
+        self._to_host(buf, host)
+        return _Staged(self.comm.Isend([host, MPI.BYTE], dest=dest, tag=tag), host)
+
+    def irecv(self, buf, source, tag):
+        host = self._host(buf, "recv")
+        return _Staged(self.comm.Irecv([host, MPI.BYTE], source=source, tag=tag), host, buf)
+
+    def wait(self, requests):
+        MPI.Request.Waitall([r.req for r in requests])
+        for r in requests:
+            if r.device is not None:
+                self._to_device(r.host, r.device)
+
+    @staticmethod
+    def progress(requests):
+        return MPI.Request.Testall([r.req for r in requests])
+
+
+def _address(buf):
+    data = getattr(buf, "data", None)
+    ptr = getattr(data, "ptr", None)  # CuPy
+    return int(ptr) if ptr is not None else int(buf.ctypes.data)
 
 
 def _packet(fields, alloc):

@@ -12,6 +12,11 @@ BURSTMPI_TILE_Q         256         rows of Q per local tile (NumPy backend)
 BURSTMPI_TILE_K         512         rows of K/V per local tile (NumPy backend)
 BURSTMPI_CHECK          1           ``0`` skips the per-call agreement collective
                                     (saves one tiny allreduce; mismatches then hang)
+BURSTMPI_CUDA_AWARE_MPI 0           ``1``: the MPI transport hands GPU buffers to MPI
+                                    directly (CUDA-aware MPI) instead of staging them
+                                    through host memory
+BURSTMPI_NCCL_TIMEOUT   300         seconds a phase may wait for its NCCL transfers
+                                    before the communicator is aborted with an error
 ======================  ==========  ===================================================
 """
 
@@ -48,6 +53,8 @@ class Settings:
         self.tile_q = _int("BURSTMPI_TILE_Q", 256)
         self.tile_k = _int("BURSTMPI_TILE_K", 512)
         self.check = _int("BURSTMPI_CHECK", 1, minimum=0) != 0
+        self.cuda_aware_mpi = _int("BURSTMPI_CUDA_AWARE_MPI", 0, minimum=0) != 0
+        self.nccl_timeout = float(_int("BURSTMPI_NCCL_TIMEOUT", 300))
 
 
 def settings():

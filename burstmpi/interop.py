@@ -9,7 +9,7 @@ words and is reinterpreted on the other side (ml_dtypes provides NumPy's bfloat1
 
 import numpy as np
 
-__all__ = ["bfloat16", "to_host", "like", "is_host"]
+__all__ = ["bfloat16", "to_host", "to_device", "like", "is_host", "cupyx_pinned"]
 
 try:
     from ml_dtypes import bfloat16
@@ -57,8 +57,47 @@ def to_host(x, name, fn):
     return np.asarray(x)
 
 
+def to_device(x, name, fn, cupy):
+    """Return a CuPy array for ``x``: itself, a zero-copy DLPack view of a GPU array (CuPy
+    hands its current stream to the producer, so the data is ordered on it), or a copy of
+    a host array on the current device."""
+    if isinstance(x, cupy.ndarray):
+        return x
+    if is_host(x):
+        return cupy.asarray(to_host(x, name, fn))
+    try:
+        return cupy.from_dlpack(x)
+    except Exception as e:
+        raise TypeError(f"{fn}: {name}: expected a CUDA array CuPy can take through DLPack, "
+                        f"got {type(x).__name__} ({e})") from None
+
+
+def cupyx_pinned(cupy, nbytes):
+    """A page-locked host buffer of ``nbytes`` (fast, asynchronous-capable copies)."""
+    mem = cupy.cuda.alloc_pinned_memory(nbytes)
+    return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+
+
+def _is_cupy(x):
+    return type(x).__module__.startswith("cupy")
+
+
 def like(result, ref):
-    """Return NumPy ``result`` as the array type of ``ref``."""
+    """Return ``result`` (NumPy, or CuPy from the "cuda" backend) as the array type of
+    ``ref``: NumPy in, NumPy out; CuPy in, CuPy out; torch in, torch out; any array-API
+    array in, the same kind out (on the GPU through DLPack, without a copy)."""
+    if _is_cupy(result):
+        if _is_cupy(ref):
+            return result
+        if is_host(ref):
+            return like(result.get(), ref)
+        if _is_torch(ref):
+            import torch
+
+            return torch.from_dlpack(result)
+        import array_api_compat
+
+        return array_api_compat.array_namespace(ref).from_dlpack(result)
     if isinstance(ref, np.ndarray):
         return result
     if _is_torch(ref):

@@ -208,12 +208,14 @@ class Grouped(NamedTuple):
 
 class Launch(NamedTuple):
     """One kernel launch as plain data. ``args`` are (kind, value) in parameter order:
-    kind "p" a device pointer, "q" int64, "i" int32, "f" float32."""
+    kind "p" a device pointer, "q" int64, "i" int32, "f" float32. ``module`` is the
+    (dtype, d, dv) whose :func:`module` holds the kernel."""
     kernel: str
     grid: tuple
     block: tuple
     smem: int
     args: tuple
+    module: tuple = ()
 
 
 def _kind(fn, grouped=(), keyed=()):
@@ -271,7 +273,7 @@ def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qpos, kpos, batch, cq, ck, heads, k
     args = (tuple(("p", t.ptr) for t in (q, k, v, acc, m, l)) + (("p", qpos), ("p", kpos))
             + _strides(q, k, v, acc, m)
             + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
-    return Launch(name, grid, block, smem, args)
+    return Launch(name, grid, block, smem, args, (dtype, d, dv))
 
 
 def _rowwise(fn, name, ptrs, tensors, batch, c, heads, kv_heads):
@@ -282,18 +284,30 @@ def _rowwise(fn, name, ptrs, tensors, batch, c, heads, kv_heads):
     return Launch(name, (-(-(batch * c * heads) // 4), 1, 1), (128, 1, 1), 0, args)
 
 
+def _rowwise_module(dtype, dv):
+    """Any module that holds the row-wise kernels of (dtype, dv): every head dims pair
+    with that V head dim does."""
+    found = next(((dtype, d, v) for d, v in HEAD_DIMS if v == dv), None)
+    if found is None:
+        raise ValueError(f"burstmpi.kernels: V head dim: expected one of "
+                         f"{sorted({v for _, v in HEAD_DIMS})}, got {dv}")
+    return found
+
+
 def fwd_finalize(dtype, dv, *, out, lse, acc, m, l, batch, c, heads, kv_heads):
     """out = acc / l (dtype) and lse = m + log(l) (fp32), per row."""
-    return _rowwise("fwd_finalize", f"burst_fwd_finalize<{DTYPES[dtype]}, {dv}>",
+    spec = _rowwise("fwd_finalize", f"burst_fwd_finalize<{DTYPES[dtype]}, {dv}>",
                     (out.ptr, lse.ptr, acc.ptr, m.ptr, l.ptr),
                     (("out", out), ("lse", lse), ("acc", acc), ("m", m)), batch, c, heads, kv_heads)
+    return spec._replace(module=_rowwise_module(dtype, dv))
 
 
 def bwd_preprocess(dtype, dv, *, dsum, dout, out, batch, c, heads, kv_heads):
     """D = rowsum(dout * out) in fp32."""
-    return _rowwise("bwd_preprocess", f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>",
+    spec = _rowwise("bwd_preprocess", f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>",
                     (dsum.ptr, dout.ptr, out.ptr), (("dsum", dsum), ("dout", dout), ("out", out)),
                     batch, c, heads, kv_heads)
+    return spec._replace(module=_rowwise_module(dtype, dv))
 
 
 def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, qpos, kpos, cq, ck, heads, kv_heads,
@@ -315,7 +329,7 @@ def bwd_dq(dtype, d, dv, *, q, k, v, dout, lse, dsum, dq, qpos, kpos, batch, cq,
     """Add dS K (unscaled) for one (query block, key block) pair to dq (fp32)."""
     args = _bwd_args("bwd_dq", dtype, q, k, v, dout, lse, dsum, (dq,), qpos, kpos, cq, ck, heads,
                      kv_heads, lo, hi, scale)
-    return Launch(*_tiled("dq", dtype, d, dv, cq, heads, batch, smem_limit), args)
+    return Launch(*_tiled("dq", dtype, d, dv, cq, heads, batch, smem_limit), args, (dtype, d, dv))
 
 
 def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kpos, batch, cq, ck,
@@ -325,7 +339,8 @@ def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kpos, bat
     Returns a tuple of launches, to run in order (two for the largest head dims)."""
     args = _bwd_args("bwd_dkdv", dtype, q, k, v, dout, lse, dsum, (dk, dv_), qpos, kpos, cq, ck,
                      heads, kv_heads, lo, hi, scale)
-    return tuple(Launch(*_tiled("dkdv", dtype, d, dv, ck, kv_heads, batch, smem_limit, part), args)
+    return tuple(Launch(*_tiled("dkdv", dtype, d, dv, ck, kv_heads, batch, smem_limit, part), args,
+                        (dtype, d, dv))
                  for part in dkdv_parts(d, dv))
 
 

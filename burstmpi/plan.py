@@ -11,9 +11,11 @@ from mpi4py import MPI
 
 from . import ring
 from .backends import get_backend
-from .comm import MPITransport, private_comm
+from .backends.cupy_backend import CupyBackend
+from .comm import MPITransport, StagedMPITransport, private_comm
 from .config import settings
-from .interop import is_host, like, to_host
+from .device import import_cupy, node_rank, pick_device
+from .interop import cupyx_pinned, is_host, like, to_device, to_host
 from .layout import Layout
 from .masks import Window
 from .schedule import Schedule, interaction_matrix
@@ -87,7 +89,16 @@ class BurstAttention:
         What circulates in the backward: Q/dO/dQ ("burst"), K/V/dK/dV ("ring"), or
         whichever moves fewer bytes for the call ("auto"; recorded in ``last_stats``).
     backend : {"auto", "numpy", "cuda"}
-        "auto" follows the arrays' device. Only "numpy" (host arrays) exists so far.
+        "auto" follows the arrays' device: GPU arrays (CuPy, or any DLPack producer on a
+        CUDA device) run on burstmpi's CUDA kernels, host arrays on NumPy. "cuda" with
+        host arrays copies them to the GPU and returns host arrays.
+    transport : {"auto", "nccl", "mpi"}
+        How GPU ring buffers travel: NCCL (one GPU per rank; bootstrapped over ``comm``),
+        or MPI (host-staged, or straight from the GPU with ``BURSTMPI_CUDA_AWARE_MPI=1``;
+        works with ranks sharing a GPU). "auto" takes NCCL when it is installed and every
+        rank has a GPU of its own. Host arrays always use MPI. Reported in ``last_stats``.
+    device : int, optional
+        The CUDA device of this rank; default: node-local rank modulo the visible GPUs.
 
     ``forward(q, k, v)`` returns ``(out, lse)`` and ``backward(dout, q, k, v, out, lse)``
     returns ``(dq, dk, dv)``; see ``burstmpi.attention`` for shapes. Both are
@@ -96,12 +107,17 @@ class BurstAttention:
     """
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
-                 layout="contiguous", bwd_comm="auto", backend="auto"):
+                 layout="contiguous", bwd_comm="auto", backend="auto", transport="auto", device=None):
         fn = "BurstAttention"
         check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale,
                       layout=layout, bwd_comm=bwd_comm)
         if backend not in ("auto", "numpy", "cuda"):
             raise ValueError(f"{fn}: backend: expected 'auto', 'numpy' or 'cuda', got {backend!r}")
+        if transport not in ("auto", "nccl", "mpi"):
+            raise ValueError(f"{fn}: transport: expected 'auto', 'nccl' or 'mpi', got {transport!r}")
+        if transport == "nccl" and backend == "numpy":
+            raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='numpy' needs 'mpi' or 'auto'")
+        self.transport_name, self.device_arg = transport, device
         self.user_comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(self.user_comm, MPI.Intracomm):
             raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
@@ -115,6 +131,7 @@ class BurstAttention:
         if backend == "auto" and cfg.backend != "auto":
             self.backend_name = cfg.backend
         self._tiles, self._check = (cfg.tile_q, cfg.tile_k), cfg.check
+        self._cuda_aware, self._nccl_timeout = cfg.cuda_aware_mpi, cfg.nccl_timeout
         self.backend = None
         self.transport = MPITransport(self.comm)
         self._channels = {}
@@ -187,6 +204,13 @@ class BurstAttention:
                           direction=sched.direction, wall_s=time.perf_counter() - t_start,
                           compute_s=timer.compute, wait_s=timer.wait)
 
+    def _finish(self):
+        """End of a phase: a transport that runs asynchronously (NCCL) checks that its
+        transfers completed, with a timeout, so a dead peer is an error and not a hang."""
+        finish = getattr(self.transport, "finish", None)
+        if finish is not None:
+            finish()
+
     def release(self):
         """Free the ring buffers (they are re-allocated on the next call)."""
         self._channels.clear()
@@ -197,34 +221,101 @@ class BurstAttention:
     def _options(self):
         return (("causal", self.causal), ("window", self.window_arg),
                 ("softmax_scale", self.softmax_scale), ("layout", self.layout_name),
-                ("bwd_comm", self.bwd_comm), ("backend", self.backend_name))
+                ("bwd_comm", self.bwd_comm), ("backend", self.backend_name),
+                ("transport", self.transport_name))
+
+    def _kind(self, arrays):
+        """The backend this call runs on: "cuda" or "numpy"."""
+        if self.backend is not None and self.backend.name not in ("numpy", "cuda"):
+            return self.backend.name  # injected by a test
+        if self.backend_name != "auto":
+            return self.backend_name
+        return "numpy" if all(is_host(a) for a in arrays.values()) else "cuda"
 
     def _prepare(self, fn, arrays, check):
         """Convert and check the arguments, agree across ranks, set up per-shape state."""
-        error, host, dims = None, None, None
+        error, conv, dims = None, None, None
+        kind = self._kind(arrays)
+        if getattr(self.backend, "name", None) != kind:
+            # A first call, or a switch between host and GPU: agree on where to run before
+            # the GPU set-up's collectives (a rank that disagrees then raises, not hangs).
+            agree(self.comm, fn, None, [("runs on", kind)] + list(self._options()))
+            if kind == "cuda":
+                self._use_cuda(fn)
         try:
-            if self.backend_name == "cuda" or (self.backend_name == "auto"
-                                               and not all(is_host(a) for a in arrays.values())):
-                get_backend("cuda")
-            host = {name: to_host(a, name, fn) for name, a in arrays.items()}
-            dims = check(host)
-        except (TypeError, ValueError, NotImplementedError) as e:
+            if kind == "cuda" and getattr(self.backend, "xp", np) is not np:
+                conv = {name: to_device(a, name, fn, self.backend.xp) for name, a in arrays.items()}
+            else:
+                conv = {name: to_host(a, name, fn) for name, a in arrays.items()}
+            dims = check(conv)
+        except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
             error = e
-        sig = [("nranks", self.nranks)] + list(self._options())
-        if host is not None:
-            sig += [(f"{n}.shape", tuple(int(s) for s in a.shape)) for n, a in host.items()]
-            sig += [(f"{n}.dtype", str(a.dtype)) for n, a in host.items()]
+        sig = [("nranks", self.nranks), ("runs on", kind)] + list(self._options())
+        if conv is not None:
+            sig += [(f"{n}.shape", tuple(int(s) for s in a.shape)) for n, a in conv.items()]
+            sig += [(f"{n}.dtype", str(a.dtype)) for n, a in conv.items()]
         if self._check or error is not None:
             agree(self.comm, fn, error, sig)
         if error is not None:  # only reachable with BURSTMPI_CHECK=0
             raise error
-        if self.backend is None:
+        if self.backend is None or (kind == "numpy" and self.backend.name == "cuda"):
+            if self.backend is not None:  # back from the GPU: host buffers, MPI
+                self.release()
+                self.transport = MPITransport(self.comm)
             self.backend = get_backend("numpy")
             self.backend.tile_q, self.backend.tile_k = self._tiles
+        self.last_stats.backend, self.last_stats.transport = self.backend.name, self.transport.name
         self.layout = Layout(self.layout_name, self.nranks, dims[1])
         d = dims[4]
         self.scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)
-        return host, dims
+        return conv, dims
+
+    def _use_cuda(self, fn):
+        """Switch this plan to the GPU: device, CuPy backend and transport (collective).
+
+        Every step that can fail on one rank only is agreed on before the next
+        collective, so a rank without CuPy or without a GPU makes every rank raise
+        instead of leaving the others waiting."""
+        error, cupy = None, None
+        try:
+            cupy = import_cupy(fn)
+        except (NotImplementedError, RuntimeError) as e:
+            error = e
+        agree(self.comm, fn, error, [])
+        local = node_rank(self.comm)
+        error, dev = None, None
+        try:
+            dev = pick_device(fn, local, cupy.cuda.runtime.getDeviceCount(), self.device_arg)
+            cupy.cuda.Device(dev).use()
+        except (ValueError, RuntimeError) as e:
+            error = e
+        agree(self.comm, fn, error, [])
+        self.release()
+        self.backend = CupyBackend(cupy, dev)
+        self.transport = self._gpu_transport(fn, cupy, dev)
+
+    def _gpu_transport(self, fn, cupy, dev):
+        """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
+        from . import nccl
+
+        bus = cupy.cuda.Device(dev).pci_bus_id
+        shared = len(set(self.comm.allgather((MPI.Get_processor_name(), bus)))) < self.nranks
+        ok = all(self.comm.allgather(nccl.available()))
+        if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
+            return nccl.NCCLTransport(self.comm, dev, timeout_s=self._nccl_timeout)
+        if self._cuda_aware:
+            return MPITransport(self.comm)
+
+        def to_host(buf, out):
+            cupy.cuda.get_current_stream().synchronize()  # the producing kernels are done
+            buf.get(out=out)
+
+        def to_dev(host, buf):
+            buf.set(host)
+            cupy.cuda.get_current_stream().synchronize()  # host buffer free for the next receive
+
+        return StagedMPITransport(self.comm, to_host, to_dev,
+                                  alloc_host=lambda n: cupyx_pinned(cupy, n))
 
     def forward(self, q, k, v):
         """Attention of this rank's queries over the whole ring's keys: ``(out, lse)``."""
@@ -232,6 +323,7 @@ class BurstAttention:
         h, dims = self._prepare(fn, {"q": q, "k": k, "v": v},
                                 lambda h: check_forward(fn, h["q"], h["k"], h["v"], self.layout_name))
         out, lse, st = ring.forward(self, h["q"], h["k"], h["v"], dims)
+        self._finish()
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         return like(out, q), like(lse, q)
 
@@ -263,6 +355,7 @@ class BurstAttention:
         mode = self.choose_bwd_mode(dims, h["q"].dtype)
         dq, dk, dv, st = ring.backward(self, mode, h["dout"], h["q"], h["k"], h["v"],
                                        h["out"], h["lse"], dims)
+        self._finish()
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
         self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)

@@ -281,6 +281,7 @@ class EmulatedBackend(KernelBackend):
     together, under mpiexec too, on a machine without a GPU."""
 
     xp = np
+    name = "emulated-cuda"
 
     def __init__(self, lib, schedule="forward/late", smem_limit=kernels.SMEM_LIMIT["sm_90"]):
         super().__init__(smem_limit)

@@ -7,18 +7,16 @@ once against this interface. ``NumpyBackend`` computes with NumPy on the CPU;
 ``KernelBackend`` launches burstmpi's CUDA kernels (``cuda/``).
 """
 
+from .cupy_backend import CupyBackend
 from .kernel_backend import KernelBackend
 from .numpy_backend import NumpyBackend
 
-__all__ = ["NumpyBackend", "KernelBackend", "get_backend"]
+__all__ = ["NumpyBackend", "KernelBackend", "CupyBackend", "get_backend"]
 
 
 def get_backend(name):
-    """Return the backend called ``name`` ("numpy"; "cuda" arrives with the GPU runtime)."""
+    """Return a fresh backend called ``name``: "numpy". (The "cuda" backend is bound to a
+    device and a communicator; ``BurstAttention`` builds it.)"""
     if name == "numpy":
         return NumpyBackend()
-    if name == "cuda":
-        raise NotImplementedError(
-            "backend='cuda': the CuPy/NCCL runtime is not part of this release yet; "
-            "use backend='numpy' with host arrays")
-    raise ValueError(f"backend: expected 'auto', 'numpy' or 'cuda', got {name!r}")
+    raise ValueError(f"backend: expected 'numpy' here ('cuda' is set up by BurstAttention), got {name!r}")

@@ -1,0 +1,60 @@
+"""The GPU of each rank, and CuPy, for the "cuda" backend.
+
+Which GPU: the rank's index among the ranks of its node (MPI split by shared memory)
+modulo the GPUs the process sees, unless the caller names one. With one rank per GPU
+that is the usual binding; with more ranks than GPUs they share, which the MPI transport
+allows and NCCL refuses (see ``burstmpi.nccl``).
+"""
+
+from mpi4py import MPI
+
+__all__ = ["import_cupy", "node_rank", "pick_device", "rank_prefix"]
+
+
+def rank_prefix(comm):
+    """``r3 | `` for messages from rank 3 of ``comm``, as mpi4jax writes them."""
+    return f"r{comm.Get_rank()} | "
+
+
+def import_cupy(fn):
+    """Return the ``cupy`` module, or raise an error that says how to get a working one."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise NotImplementedError(
+            f"{fn}: backend 'cuda' needs CuPy: pip install 'burstmpi[cuda12]' (CUDA 12) or "
+            f"'burstmpi[cuda13]' (CUDA 13); import failed: {e}") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError without a driver, or no device at all
+        raise RuntimeError(f"{fn}: backend 'cuda': no usable CUDA device ({type(e).__name__}: {e})") from None
+    if count < 1:
+        raise RuntimeError(f"{fn}: backend 'cuda': no CUDA device is visible "
+                           f"(CUDA_VISIBLE_DEVICES={_visible()!r})")
+    return cupy
+
+
+def _visible():
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def node_rank(comm):
+    """This rank's index among the ranks of ``comm`` on the same node (collective)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def pick_device(fn, local_rank, count, device=None):
+    """The device id a rank uses: ``device`` if given, else its node rank modulo the
+    ``count`` visible devices."""
+    if device is None:
+        return local_rank % count
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
+        raise ValueError(f"{fn}: device: expected an int with 0 <= device < {count} "
+                         f"(the visible CUDA devices), got {device!r}")
+    return device
