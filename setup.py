@@ -26,12 +26,14 @@ EXTRAS_REQUIRE = {
     "test": ["pytest>=7", "pytest-timeout>=2", "mpich",
              "cuda-bindings>=13,<14; platform_system == 'Linux'",
              "nvidia-cuda-nvrtc>=13,<14; platform_system == 'Linux'"],
-    # The design card's GPU stack (the CUDA runtime itself lands with the GPU issue).
-    "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
+    # The GPU runtime: CuPy (14+ for bfloat16) and NCCL, for CUDA 12 or CUDA 13 machines.
+    "cuda12": ["cupy-cuda12x>=14", "nvidia-nccl-cu12"],
+    "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
 }
 
 # -- console scripts ------------------------------------------------------------------
-ENTRY_POINTS = {"console_scripts": ["burstmpi-bench = burstmpi.bench:main"]}
+ENTRY_POINTS = {"console_scripts": ["burstmpi-bench = burstmpi.bench:main",
+                                    "burstmpi-gpucheck = burstmpi.gpucheck:main"]}
 
 setup(
     name=NAME,

@@ -4,7 +4,7 @@ One function, :func:`program`, turns ``cuda/`` into a single self-contained sour
 its NVRTC options. The GPU backend hands both to ``cupy.RawModule`` (through
 :func:`module`, memoized per device; CuPy's own cache keeps the compiled code, in memory
 and in ``~/.cupy/kernel_cache``), the CI compile check to NVRTC for sm_80 and sm_90
-(:func:`compile_report`), and the CPU emulator of ``tests/`` to g++. Inlining our headers
+(:func:`compile_report`, ``python -m burstmpi.kernelcheck``), and the CPU emulator of ``tests/`` to g++. Inlining our headers
 into the source matters: CuPy's cache key is the source text, so an edited header
 can never leave a stale kernel behind.
 
@@ -15,23 +15,24 @@ run by whoever holds the device: CuPy on a GPU, ctypes on the emulator.
 
 import functools
 import re
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
 __all__ = ["HEAD_DIMS", "DTYPES", "ARCHS", "Strided", "Grouped", "Launch", "program", "module",
+           "probe_module",
            "kernel_names", "config", "fwd", "fwd_finalize", "bwd_preprocess", "bwd_dq",
            "bwd_dkdv", "compile_report"]
 
 # (QK head dim, V head dim) pairs with kernels; each is compiled and checked in CI.
-# Adding one: append it here, run `python -m burstmpi.kernels` (no spills allowed) and the
+# Adding one: append it here, run `python -m burstmpi.kernelcheck` (no spills allowed) and the
 # emulated tests (tests/test_kernels_emulated.py); cuda/README.md has the details.
 HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 DTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
 ARCHS = ("sm_80", "sm_90")
 # Largest dynamic shared memory per block (opt-in), bytes: A100 and H100/H200.
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
-ENTRY_FILES = ("attn_fwd.cu", "attn_bwd.cu")
+ENTRY_FILES = ("attn_fwd.cu", "attn_bwd.cu", "probe.cu")
+PROBE_NAMES = tuple(f"gemm_probe<{t}>" for t in DTYPES.values())
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -152,6 +153,18 @@ def kernel_names(dtype, d, dv, smem_limit=SMEM_LIMIT["sm_80"]):
     tiled += [_tiled_name("dkdv", dtype, d, dv, cfg("dkdv"), part) for part in dkdv_parts(d, dv)]
     return tuple(tiled + [f"burst_fwd_finalize<{DTYPES[dtype]}, {dv}>",
                           f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>"])
+
+
+@functools.lru_cache(maxsize=None)
+def probe_module(device_id):
+    """The ``cupy.RawModule`` of the fragment-layout probe (cuda/probe.cu) on a device."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        src, options = program()
+        mod = cupy.RawModule(code=src, options=options, name_expressions=PROBE_NAMES)
+        mod.compile()
+        return mod
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,6 +393,7 @@ def compile_report(arch):
                 for part in (dkdv_parts(d, dv) if kind == "dkdv" else (0,)):
                     dyn[_tiled_name(kind, dtype, d, dv, cfg, part)] = smem_bytes(kind, dtype, d, dv, cfg)
             names += [n for n in kernel_names(dtype, d, dv, limit) if n not in names]
+    names += PROBE_NAMES
     prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(src.encode(), b"burstmpi.cu", 0, [], []), "create")
     try:
         for n in names:
@@ -423,23 +437,3 @@ def format_report(rows):
                      f"{r['spill_stores']:9d} {r['spill_loads']:9d} {r['smem_static']:7d} "
                      f"{r['smem_dynamic']:9d}")
     return "\n".join(lines)
-
-
-def main(argv=None):
-    """``python -m burstmpi.kernels [ARCH ...]``: compile every kernel with NVRTC, print
-    registers, shared memory and spills; exit 1 on a compile error or any spill."""
-    archs = (argv if argv is not None else sys.argv[1:]) or list(ARCHS)
-    bad = 0
-    for arch in archs:
-        rows = compile_report(arch)
-        print(format_report(rows))
-        spills = [r["name"] for r in rows if r["spill_stores"] or r["spill_loads"]]
-        for name in spills:
-            print(f"# SPILL {arch} {name}")
-        bad += len(spills)
-    print(f"# {'FAILED' if bad else 'OK'}: {bad} kernel(s) spill")
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

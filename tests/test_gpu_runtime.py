@@ -213,3 +213,17 @@ def test_staged_transport_through_the_ring(mode, causal):
     assert plan.transport.name == "mpi-staged"
     assert (plan.transport.copies > 0) == (NRANKS > 1)
     assert RANK < NRANKS
+
+
+@no_gpu
+@pytest.mark.skipif(NRANKS > 1, reason="spawns its own process; run once, not per rank")
+def test_gpucheck_without_a_gpu_says_so():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run([sys.executable, str(root / "bin" / "burstmpi-gpucheck"), "--quick"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "backend 'cuda'" in res.stdout and "nothing checked: FAILED" in res.stdout

@@ -1,0 +1,314 @@
+"""``burstmpi-gpucheck``: everything GPU-related, on a machine with one GPU.
+
+    burstmpi-gpucheck            # all checks and the benchmark, a few minutes
+    burstmpi-gpucheck --quick    # fewer configurations, no benchmark
+
+1. probe   cuda/probe.cu's fragment GEMMs (ldmatrix, mma.sync, the C-to-A reuse) against
+           NumPy, for float16, bfloat16 and float32: the PTX layouts the emulator assumes.
+2. kernels one rank, ``BurstAttention(backend="cuda")`` on CuPy arrays against float64
+           (flash-attn's rule) and against the NumPy backend: forward and backward, three
+           dtypes, head dims 64 and 128, no mask / causal / sliding window, GQA.
+3. interop torch CUDA tensors in, torch CUDA tensors out, zero-copy (if torch has CUDA).
+4. ranks   ``mpiexec -n 2, 3, 4`` on this one GPU through the MPI transport (NCCL refuses
+           two ranks on one GPU), every rank checked against float64.
+5. bench   forward and backward TFLOP/s at 16384 tokens, head dim 128, bfloat16, next to
+           PyTorch's ``scaled_dot_product_attention`` on the same GPU.
+
+Prints one line per check, ``# ... OK`` or ``# ... FAILED`` at the end, exit status 1 on
+any failure. On a machine with two or more GPUs, ``mpiexec -n 2 burstmpi-gpucheck
+--ranks-only --transport nccl`` checks the NCCL ring itself.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import click
+import numpy as np
+from mpi4py import MPI
+
+from . import kernels
+from . import reference as ref
+from .device import import_cupy
+from .interop import bfloat16
+from .plan import BurstAttention
+
+__all__ = ["main"]
+
+ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-6}
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _np_dtype(name):
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _f64(x):
+    get = getattr(x, "get", None)  # CuPy
+    return np.asarray(get() if get else x, dtype=np.float64)
+
+
+def _within(ours, exact, plain, dtype):
+    """flash-attn's rule: error <= 2 x a plain same-dtype implementation's + atol."""
+    ours, exact, plain = _f64(ours), _f64(exact), _f64(plain)
+    fin = np.isfinite(exact)
+    if not np.array_equal(np.isfinite(ours), fin):
+        return False, float("inf")
+    err = float(np.abs(ours[fin] - exact[fin]).max(initial=0.0))
+    base = float(np.abs(plain[fin] - exact[fin]).max(initial=0.0))
+    atol = ATOL[dtype] * max(1.0, float(np.abs(exact[fin]).max(initial=0.0)))
+    return err <= 2 * base + atol, err
+
+
+class Report:
+    def __init__(self):
+        self.failed = 0
+
+    def line(self, ok, text):
+        self.failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {text}", flush=True)
+
+
+# -- 1. probe ---------------------------------------------------------------------------------
+
+def check_probe(cupy, dev, rep):
+    mod = kernels.probe_module(dev)
+    rng = np.random.default_rng(1)
+    for dtype in DTYPES:
+        dt = _np_dtype(dtype)
+        a, b, z = (rng.standard_normal(s).astype(dt) for s in ((16, 32), (16, 32), (16, 16)))
+        c1, c2 = cupy.zeros((16, 16), np.float32), cupy.zeros((16, 16), np.float32)
+        da, db, dz = (cupy.asarray(x) for x in (a, b, z))
+        fn = mod.get_function(f"gemm_probe<{kernels.DTYPES[dtype]}>")
+        fn((1,), (32,), (da, db, dz, c1, c2), shared_mem=16384)
+        s = _f64(a) @ _f64(b).T
+        p = s if dtype == "float32" else s.astype(np.float32).astype(dt).astype(np.float64)
+        ok = np.allclose(c1.get(), s, rtol=1e-5, atol=1e-5) and np.allclose(c2.get(), p @ _f64(z), rtol=1e-4, atol=1e-4)
+        rep.line(ok, f"probe {dtype:8s} fragment GEMMs against NumPy")
+
+
+# -- 2./4. attention against float64 ------------------------------------------------------------
+
+def _problem(B, N, Z, Zkv, d, dtype, seed):
+    return ref.random_problem(B, N, Z, Zkv, d, dtype=_np_dtype(dtype), seed=seed)
+
+
+def check_one_rank(cupy, rep, quick):
+    masks = {"none": (False, None), "causal": (True, None), "window": (False, (200, 50))}
+    dims = [(64, 64), (128, 128)] if not quick else [(128, 128)]
+    comm = MPI.COMM_SELF
+    for dtype in DTYPES:
+        for d, dv in dims:
+            for mask, (causal, window) in masks.items():
+                q, k, v, do = _problem(1, 777, 8, 2, d, dtype, seed=d)
+                opts = dict(causal=causal, window=window)
+                gpu = BurstAttention(comm, backend="cuda", **opts)
+                host = BurstAttention(comm, backend="numpy", **opts)
+                dq_, dk_, dv_, ddo = (cupy.asarray(x) for x in (q, k, v, do))
+                t0 = time.perf_counter()
+                out, lse = gpu.forward(dq_, dk_, dv_)
+                grads = gpu.backward(ddo, dq_, dk_, dv_, out, lse)
+                cupy.cuda.get_current_stream().synchronize()
+                secs = time.perf_counter() - t0
+                ho, hl = host.forward(q, k, v)
+                hgrads = host.backward(do, q, k, v, ho, hl)
+                exact = ref.forward(q, k, v, **opts) + ref.backward(do, q, k, v, **opts)
+                plain = (ref.forward(q, k, v, precision="plain", **opts)
+                         + ref.backward(do, q, k, v, precision="plain", **opts))
+                errs, ok_all = [], True
+                for ours, nb, e, p in zip((out, lse) + grads, (ho, hl) + hgrads, exact, plain):
+                    ok, err = _within(ours, e, p, dtype)
+                    diff = float(np.nanmax(np.abs(_f64(ours) - _f64(nb))[np.isfinite(_f64(e))]))
+                    ok_all &= ok
+                    errs.append(f"{err:.1e}/{diff:.1e}")
+                rep.line(ok_all, f"kernels {dtype:8s} d{d} {mask:6s} GQA 8/2 N=777: err vs float64 / "
+                                 f"vs NumPy (out lse dq dk dv) {' '.join(errs)}  [{secs:.2f} s incl. compile]")
+
+
+def check_interop(rep):
+    try:
+        import torch
+    except ImportError:
+        print("skip interop: torch is not installed")
+        return
+    if not torch.cuda.is_available():
+        print("skip interop: torch has no CUDA")
+        return
+    q, k, v, do = (torch.randn(1, 512, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    plan = BurstAttention(MPI.COMM_SELF, causal=True)
+    out, lse = plan.forward(q, k, v)
+    dq, dk, dv = plan.backward(do, q, k, v, out, lse)
+    same_kind = all(isinstance(x, torch.Tensor) and x.is_cuda for x in (out, lse, dq, dk, dv))
+    qr, kr, vr = (x.detach().float().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    o.backward(do.float().transpose(1, 2))
+    close = lambda a, b: float((a.float() - b).abs().max()) < 0.05
+    ok = (same_kind and close(out, o.transpose(1, 2)) and close(dq, qr.grad.transpose(1, 2))
+          and close(dk, kr.grad.transpose(1, 2)) and close(dv, vr.grad.transpose(1, 2)))
+    rep.line(ok, "interop torch CUDA bfloat16 in -> torch CUDA out, against torch's autograd")
+
+
+def ranks_worker(transport, seqlen_local):
+    """Run by each rank under mpiexec: the ring on the GPU against float64."""
+    comm = MPI.COMM_WORLD
+    P, rank = comm.Get_size(), comm.Get_rank()
+    bad = []
+    import cupy
+
+    for dtype in ("bfloat16", "float32"):
+        for layout, causal in (("zigzag", True), ("contiguous", False)):
+            for mode in ("burst", "ring"):
+                q, k, v, do = _problem(1, P * seqlen_local, 4, 2, 64, dtype, seed=P)
+                plan = BurstAttention(causal=causal, layout=layout, bwd_comm=mode, backend="cuda",
+                                      transport=transport)
+                from .api import shard, unshard
+
+                loc = [cupy.asarray(shard(x, layout=layout)) for x in (q, k, v, do)]
+                out, lse = plan.forward(*loc[:3])
+                grads = plan.backward(loc[3], *loc[:3], out, lse)
+                un = lambda x, axis=1: unshard(cupy.asnumpy(x), layout=layout, axis=axis)
+                ours = (un(out), un(lse, 2)) + tuple(un(g) for g in grads)
+                opts = dict(causal=causal)
+                exact = ref.forward(q, k, v, **opts) + ref.backward(do, q, k, v, **opts)
+                plain = (ref.forward(q, k, v, precision="plain", **opts)
+                         + ref.backward(do, q, k, v, precision="plain", **opts))
+                for name, o, e, p in zip(("out", "lse", "dq", "dk", "dv"), ours, exact, plain):
+                    ok, err = _within(o, e, p, dtype)
+                    if not ok:
+                        bad.append(f"r{rank} {dtype} {layout} causal={causal} {mode} {name}: {err:.2e}")
+                st = plan.last_stats
+                if rank == 0 and dtype == "bfloat16" and mode == "burst":
+                    print(f"  P={P} {layout:10s} causal={causal!s:5s} transport={st.transport} "
+                          f"fwd {st.forward.wall_s * 1e3:.1f} ms, bwd {st.backward.wall_s * 1e3:.1f} ms",
+                          flush=True)
+    everyone = comm.gather(bad, root=0)
+    if rank == 0:
+        flat = [b for r in everyone for b in r]
+        for b in flat:
+            print("  " + b)
+        print(f"RANKS {'OK' if not flat else 'FAILED'}", flush=True)
+    return 0 if not bad else 1
+
+
+def check_ranks(rep, transport, quick):
+    mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
+    if mpiexec is None:
+        print("skip ranks: no mpiexec on PATH")
+        return
+    for n in ((2,) if quick else (2, 3, 4)):
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "burstmpi.gpucheck",
+               "--ranks-only", "--transport", transport]
+        t0 = time.perf_counter()
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                                 env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+            out, rc = res.stdout + res.stderr, res.returncode
+        except subprocess.TimeoutExpired as e:
+            out, rc = (e.stdout or "") if isinstance(e.stdout, str) else "", "timeout"
+        print(out.rstrip())
+        rep.line(rc == 0 and "RANKS OK" in out,
+                 f"ranks mpiexec -n {n} sharing this GPU, transport={transport}: exit {rc} "
+                 f"in {time.perf_counter() - t0:.0f} s")
+
+
+# -- 5. bench -------------------------------------------------------------------------------------
+
+def _time(cupy, fn, iters=5, warmup=2):
+    for _ in range(warmup):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / iters
+
+
+def bench(cupy, rep, N=16384, H=16, d=128):
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    print(f"bench: batch 1, {N} tokens, {H} heads, head dim {d}, bfloat16, one rank")
+    for causal in (False, True):
+        flops = 4 * N * N * H * d * (0.5 if causal else 1.0)
+        q, k, v, do = (cupy.asarray(np.random.default_rng(i).standard_normal((1, N, H, d)).astype(bfloat16))
+                       for i in range(4))
+        plan = BurstAttention(MPI.COMM_SELF, causal=causal, backend="cuda")
+        state = {}
+
+        def fwd():
+            state["o"] = plan.forward(q, k, v)
+
+        t_fwd = _time(cupy, fwd)
+        out, lse = state["o"]
+        t_bwd = _time(cupy, lambda: plan.backward(do, q, k, v, out, lse))
+        line = (f"  causal={causal!s:5s} burstmpi fwd {t_fwd * 1e3:7.2f} ms {flops / t_fwd / 1e12:6.1f} TF/s, "
+                f"bwd {t_bwd * 1e3:7.2f} ms {2.5 * flops / t_bwd / 1e12:6.1f} TF/s")
+        if torch is not None and torch.cuda.is_available():
+            tq, tk, tv, tdo = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, do))
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            ev = lambda: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+            def ttime(fn, iters=5):
+                for _ in range(2):
+                    fn()
+                a, b = ev()
+                a.record()
+                for _ in range(iters):
+                    fn()
+                b.record()
+                torch.cuda.synchronize()
+                return a.elapsed_time(b) / 1e3 / iters
+
+            s_fwd = ttime(lambda: sdpa(tq, tk, tv, is_causal=causal))
+            tqg, tkg, tvg = (x.detach().requires_grad_() for x in (tq, tk, tv))
+
+            def fb():
+                o = sdpa(tqg, tkg, tvg, is_causal=causal)
+                o.backward(tdo)
+
+            s_fb = ttime(fb)
+            s_bwd = max(s_fb - s_fwd, 1e-9)
+            line += (f" | torch SDPA fwd {flops / s_fwd / 1e12:6.1f} TF/s, bwd {2.5 * flops / s_bwd / 1e12:6.1f} TF/s"
+                     f" | ratio fwd {s_fwd / t_fwd:.2f}, bwd {s_bwd / t_bwd:.2f}")
+        print(line, flush=True)
+    rep.line(True, "bench done")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--quick", is_flag=True, help="Fewer configurations and no benchmark.")
+@click.option("--ranks-only", is_flag=True, help="Only the multi-rank check (run under mpiexec).")
+@click.option("--transport", type=click.Choice(["mpi", "nccl", "auto"]), default="mpi", show_default=True,
+              help="Transport of the multi-rank check.")
+@click.option("--seqlen-local", default=384, show_default=True, help="Tokens per rank in the multi-rank check.")
+def main(quick, ranks_only, transport, seqlen_local):
+    """Check burstmpi's GPU path on this machine: probe, kernels, interop, ranks, bench."""
+    if ranks_only:
+        sys.exit(ranks_worker(transport, seqlen_local))
+    try:
+        cupy = import_cupy("burstmpi-gpucheck")
+    except (NotImplementedError, RuntimeError) as e:
+        print(f"# {e}\n# nothing checked: FAILED")
+        sys.exit(2)
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    print(f"# burstmpi-gpucheck: {props['name'].decode()} (sm_{dev.compute_capability}), CuPy "
+          f"{cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, driver "
+          f"{cupy.cuda.runtime.driverGetVersion()}", flush=True)
+    rep, t0 = Report(), time.perf_counter()
+    check_probe(cupy, dev.id, rep)
+    check_one_rank(cupy, rep, quick)
+    check_interop(rep)
+    check_ranks(rep, transport, quick)
+    if not quick:
+        bench(cupy, rep)
+    print(f"# {rep.failed} check(s) failed in {time.perf_counter() - t0:.0f} s: {'FAILED' if rep.failed else 'OK'}")
+    sys.exit(1 if rep.failed else 0)
+
+
+if __name__ == "__main__":
+    main()

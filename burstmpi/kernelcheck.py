@@ -1,0 +1,32 @@
+"""``python -m burstmpi.kernelcheck [ARCH ...]``: the NVRTC compile check of cuda/.
+
+Compiles every kernel instantiation for each architecture (default sm_80 and sm_90) with
+NVRTC called directly (no GPU needed; ``pip install cuda-bindings nvidia-cuda-nvrtc``),
+prints registers, stack, spills and shared memory per kernel, and exits 1 on a compile
+error or any spill.
+"""
+
+import sys
+
+from .kernels import ARCHS, compile_report, format_report
+
+__all__ = ["main"]
+
+
+def main(argv=None):
+    """Compile, print the table, return the exit status (1 on any spill)."""
+    archs = (argv if argv is not None else sys.argv[1:]) or list(ARCHS)
+    bad = 0
+    for arch in archs:
+        rows = compile_report(arch)
+        print(format_report(rows))
+        spills = [r["name"] for r in rows if r["spill_stores"] or r["spill_loads"]]
+        for name in spills:
+            print(f"# SPILL {arch} {name}")
+        bad += len(spills)
+    print(f"# {'FAILED' if bad else 'OK'}: {bad} kernel(s) spill")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
