@@ -6,9 +6,12 @@ that is the usual binding; with more ranks than GPUs they share, which the MPI t
 allows and NCCL refuses (see ``burstmpi.nccl``).
 """
 
+import contextlib
+import sys
+
 from mpi4py import MPI
 
-__all__ = ["import_cupy", "node_rank", "pick_device", "rank_prefix"]
+__all__ = ["import_cupy", "node_rank", "pick_device", "rank_prefix", "abort_on_device_error"]
 
 
 def rank_prefix(comm):
@@ -58,3 +61,29 @@ def pick_device(fn, local_rank, count, device=None):
         raise ValueError(f"{fn}: device: expected an int with 0 <= device < {count} "
                          f"(the visible CUDA devices), got {device!r}")
     return device
+
+
+def _is_device_error(exc):
+    """CUDA runtime/driver and NCCL errors, as CuPy raises them."""
+    kind = type(exc)
+    return kind.__module__.startswith(("cupy", "cupy_backends")) or kind.__name__ in (
+        "CUDARuntimeError", "CUDADriverError", "NcclError")
+
+
+@contextlib.contextmanager
+def abort_on_device_error(comm):
+    """Turn a CUDA or NCCL error on this rank into the end of the whole job.
+
+    After such an error the device state is unknown and the other ranks may already wait
+    inside a transfer that will never come: like mpi4jax, print the error prefixed with
+    the rank, then MPI_Abort, instead of raising and leaving them to hang.
+    """
+    try:
+        yield
+    except Exception as e:
+        if not _is_device_error(e):
+            raise
+        sys.stderr.write(f"{rank_prefix(comm)}{type(e).__name__}: {e}\n"
+                         f"{rank_prefix(comm)}burstmpi: aborting the job (MPI_Abort)\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

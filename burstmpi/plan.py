@@ -14,7 +14,7 @@ from .backends import get_backend
 from .backends.cupy_backend import CupyBackend
 from .comm import MPITransport, StagedMPITransport, private_comm
 from .config import settings
-from .device import import_cupy, node_rank, pick_device
+from .device import abort_on_device_error, import_cupy, node_rank, pick_device
 from .interop import cupyx_pinned, is_host, like, to_device, to_host
 from .layout import Layout
 from .masks import Window
@@ -322,8 +322,9 @@ class BurstAttention:
         fn = "BurstAttention.forward"
         h, dims = self._prepare(fn, {"q": q, "k": k, "v": v},
                                 lambda h: check_forward(fn, h["q"], h["k"], h["v"], self.layout_name))
-        out, lse, st = ring.forward(self, h["q"], h["k"], h["v"], dims)
-        self._finish()
+        with abort_on_device_error(self.comm):
+            out, lse, st = ring.forward(self, h["q"], h["k"], h["v"], dims)
+            self._finish()
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         return like(out, q), like(lse, q)
 
@@ -353,9 +354,10 @@ class BurstAttention:
 
         h, dims = self._prepare(fn, arrays, check)
         mode = self.choose_bwd_mode(dims, h["q"].dtype)
-        dq, dk, dv, st = ring.backward(self, mode, h["dout"], h["q"], h["k"], h["v"],
-                                       h["out"], h["lse"], dims)
-        self._finish()
+        with abort_on_device_error(self.comm):
+            dq, dk, dv, st = ring.backward(self, mode, h["dout"], h["q"], h["k"], h["v"],
+                                           h["out"], h["lse"], dims)
+            self._finish()
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
         self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)

@@ -32,8 +32,9 @@ pytestmark = [
 ]
 
 
-def mpiexec(n, args, timeout, expect_hang=False, **env_extra):
-    """Run ``mpiexec -n n python -m mpi4py ARGS``; return (returncode, output, seconds).
+def mpiexec(n, args, timeout, expect_hang=False, via_mpi4py=True, **env_extra):
+    """Run ``mpiexec -n n python -m mpi4py ARGS`` (without ``-m mpi4py`` if not
+    ``via_mpi4py``); return (returncode, output, seconds).
 
     A run that outlives ``timeout`` is killed and fails the test, unless ``expect_hang``:
     then it returns (None, output, seconds)."""
@@ -41,7 +42,8 @@ def mpiexec(n, args, timeout, expect_hang=False, **env_extra):
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
                **env_extra)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", *args],
+    launcher = ["-m", "mpi4py"] if via_mpi4py else []
+    proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, *launcher, *args],
                             cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -120,3 +122,28 @@ def test_in_order_transport_hangs_on_unpaired_groups():
     assert rc == 0 and out.count("completed") == 2, out[-2000:]
     rc, out, secs = mpiexec(2, ["-c", script, "in-order"], timeout=10, expect_hang=True)
     assert rc is None and "completed" not in out, f"expected a deadlock, got exit {rc}:\n{out[-2000:]}"
+
+
+def test_device_error_on_one_rank_aborts_the_job_with_its_rank():
+    """A CUDA/NCCL error (as CuPy raises it) inside the ring ends the job, prefixed with
+    the rank, even without python -m mpi4py's handler: the other ranks do not hang."""
+    script = textwrap.dedent("""
+        import numpy as np
+        from mpi4py import MPI
+        import burstmpi
+        from burstmpi.backends import NumpyBackend
+        class CUDARuntimeError(RuntimeError):
+            pass
+        CUDARuntimeError.__module__ = "cupy_backends.cuda.api.runtime"
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            def fail(*a, **k):
+                raise CUDARuntimeError("cudaErrorIllegalAddress: an illegal memory access")
+            NumpyBackend.fwd_block = fail
+        q = np.zeros((1, 64, 2, 16), np.float32)
+        for _ in range(1000):
+            burstmpi.attention(q, q, q)
+    """)
+    rc, out, secs = mpiexec(3, ["-c", script], timeout=120, via_mpi4py=False)
+    assert rc != 0, out[-2000:]
+    assert "r1 | CUDARuntimeError: cudaErrorIllegalAddress" in out, out[-2000:]
+    assert secs < 60
