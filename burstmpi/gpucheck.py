@@ -106,10 +106,10 @@ def check_one_rank(cupy, rep, quick):
                 opts = dict(causal=causal, window=window)
                 gpu = BurstAttention(comm, backend="cuda", **opts)
                 host = BurstAttention(comm, backend="numpy", **opts)
-                dq_, dk_, dv_, ddo = (cupy.asarray(x) for x in (q, k, v, do))
+                gq, gk, gv, gdo = (cupy.asarray(x) for x in (q, k, v, do))
                 t0 = time.perf_counter()
-                out, lse = gpu.forward(dq_, dk_, dv_)
-                grads = gpu.backward(ddo, dq_, dk_, dv_, out, lse)
+                out, lse = gpu.forward(gq, gk, gv)
+                grads = gpu.backward(gdo, gq, gk, gv, out, lse)
                 cupy.cuda.get_current_stream().synchronize()
                 secs = time.perf_counter() - t0
                 ho, hl = host.forward(q, k, v)
