@@ -100,6 +100,32 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
     return plan, errs
 
 
+def check_fully_masked_rows(be, dtype, d):
+    """A backend's local work on queries that see no key: out 0, lse -inf, no NaN anywhere,
+    and zero gradients (lse -inf goes in as is: the backend must read it as +inf)."""
+    from burstmpi.masks import Window
+
+    win, rng = Window(causal=True), np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 6, 2, d)).astype(dtype)
+    k, v = (rng.standard_normal((1, 1, 5, d)).astype(dtype) for _ in range(2))
+    qpos, kpos = np.arange(6), np.arange(3, 8)  # causal: queries 0..2 see none of keys 3..7
+    acc = be.acc_dtype(q.dtype)
+    state = be.fwd_state(1, 1, 6, 2, d, acc)
+    be.fwd_block(q, k, v, state, qpos, kpos, win, 0.3)
+    out, lse = be.fwd_finalize(state, q.dtype)
+    assert not np.isnan(f64(out)).any() and not np.isnan(lse).any()
+    assert (f64(out)[:, :, :3] == 0).all() and (lse[:, :, :3] == -np.inf).all()
+    assert np.isfinite(lse[:, :, 3:]).all()
+    dq = np.zeros(q.shape, acc)
+    dk, dv = np.zeros(k.shape, acc), np.zeros(v.shape, acc)
+    out_user = out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(1, 6, 2, d)
+    D = be.bwd_preprocess(out_user, out_user, 1, acc)
+    be.bwd_block(q, out.astype(q.dtype), D, np.where(lse == -np.inf, np.inf, lse), k, v, dq, dk, dv,
+                 qpos, kpos, win, 0.3)
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    assert (dq[:, :, :3] == 0).all()
+
+
 def pytest_terminal_summary(terminalreporter):
     # Under tests/test_mpi.py each rank reports to a file of its own: interleaved
     # stdout from several ranks cannot be parsed reliably.

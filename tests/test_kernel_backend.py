@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 import kernel_harness as kh
-from burstmpi.masks import Window
-from conftest import COMM, RANK, check_against_float64, dtype_of
+from conftest import COMM, RANK, check_against_float64, check_fully_masked_rows, dtype_of
 
 pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
 
@@ -46,27 +45,10 @@ def test_gqa_odd_length_and_batch(lib, mode):
                           bwd_comm=mode, backend=be, tag="kernels ", softmax_scale=0.2)
 
 
-def test_fully_masked_rows_give_zero_and_minus_inf(lib):
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_fully_masked_rows_give_zero_and_minus_inf(lib, dtype):
     """Queries that see no key of any block end with out 0 and lse -inf, and no NaN."""
-    be = kh.EmulatedBackend(lib)
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, 1, 6, 2, 32)).astype(np.float16)
-    k = rng.standard_normal((1, 1, 5, 32)).astype(np.float16)
-    v = rng.standard_normal((1, 1, 5, 32)).astype(np.float16)
-    qpos, kpos = np.arange(6), np.arange(3, 8)  # causal: queries 0..2 see none of keys 3..7
-    state = be.fwd_state(1, 1, 6, 2, 32, np.float32)
-    be.fwd_block(q, k, v, state, qpos, kpos, Window(causal=True), 0.3)
-    out, lse = be.fwd_finalize(state, np.float16)
-    assert not np.isnan(out.astype(np.float32)).any() and not np.isnan(lse).any()
-    assert (out[:, :, :3] == 0).all() and (lse[:, :, :3] == -np.inf).all()
-    assert np.isfinite(lse[:, :, 3:]).all()
-    dq = np.zeros(q.shape, np.float32)
-    dk, dv = np.zeros(k.shape, np.float32), np.zeros(v.shape, np.float32)
-    D = be.bwd_preprocess(out.transpose(0, 2, 1, 3, 4).reshape(1, 6, 2, 32),
-                          out.transpose(0, 2, 1, 3, 4).reshape(1, 6, 2, 32), 1, np.float32)
-    be.bwd_block(q, out, D, lse, k, v, dq, dk, dv, qpos, kpos, Window(causal=True), 0.3)
-    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
-    assert (dq[:, :, :3] == 0).all()
+    check_fully_masked_rows(kh.EmulatedBackend(lib), dtype, 32)
 
 
 def test_float64_is_refused_by_name(lib):
