@@ -68,6 +68,12 @@ def _interactions(layout_name, nranks, seqlen_local, lo, hi):
     return interaction_matrix(Layout(layout_name, nranks, seqlen_local), Window.from_bounds(lo, hi))
 
 
+def _kernel_ready(xp, a):
+    if a.flags.c_contiguous and a.data.ptr % 16 == 0:
+        return a
+    return xp.array(a, copy=True, order="C")
+
+
 class BurstAttention:
     """A reusable BurstAttention plan over the ranks of an MPI communicator.
 
@@ -244,7 +250,10 @@ class BurstAttention:
                 self._use_cuda(fn)
         try:
             if kind == "cuda" and getattr(self.backend, "xp", np) is not np:
-                conv = {name: to_device(a, name, fn, self.backend.xp) for name, a in arrays.items()}
+                # The kernels copy rows with 16-byte cp.async: give them contiguous, aligned
+                # arrays (a copy only for the odd strided or offset view).
+                conv = {name: _kernel_ready(self.backend.xp, to_device(a, name, fn, self.backend.xp))
+                        for name, a in arrays.items()}
             else:
                 conv = {name: to_host(a, name, fn) for name, a in arrays.items()}
             dims = check(conv)
