@@ -24,6 +24,19 @@ what the phase cannot do without (its arrays in and out and the plan's ring buff
 "peak MB" the largest total of live NumPy arrays during the call, inputs included
 (tracemalloc), max over ranks. "peak MB/rk" is the process's
 maximum resident set, interpreter and libraries included.
+
+More columns, per configuration: "f+b min/max" are the fastest and slowest rank's
+forward+backward; algbw is the bytes one rank sent in forward and backward over the
+forward+backward time (GB/s), and busbw equals it (each ring step is a send and a receive
+per link, nccl-tests' sendrecv bus factor 1); "comp ms" is the time inside the local
+kernels and "exposed ms" the time spent waiting on transfers (both max over ranks), and
+"overlap" is comp / (comp + exposed): 1.00 means every transfer was hidden behind compute;
+"vs local" is the per-rank f+b TFLOP/s over that of the local kernel alone on one unmasked
+block of the same per-rank shape (the single-device rate the ring is measured against).
+
+Presets (``--preset``) reproduce published setups; regression mode (``--baseline``)
+compares with a stored JSON run and exits 3 when a configuration got slower than the
+tolerance allows, optionally writing JUnit XML for CI systems; progress goes to stderr.
 """
 
 import json
@@ -38,7 +51,7 @@ import click
 import numpy as np
 from mpi4py import MPI
 
-from . import __version__, reference
+from . import __version__, reference, regress
 from .api import unshard
 from .interop import bfloat16
 from .layout import LAYOUTS
@@ -66,10 +79,28 @@ COLUMNS = [
     ("bwd_ms", "bwd", "(ms)", 9, ".1f"), ("bwd_tflops", "bwd", "(TF/s)", 7, ".3f"),
     ("fwdbwd_ms", "f+b", "(ms)", 9, ".1f"), ("fwdbwd_tflops", "f+b", "(TF/s)", 7, ".3f"),
     ("fwdbwd_tflops_all", "TF/s", "all", 7, ".3f"),
+    ("fwdbwd_ms_min", "f+b", "min ms", 9, ".1f"), ("fwdbwd_ms_max", "f+b", "max ms", 9, ".1f"),
     ("fwd_mb_sent", "fwd", "MB/rk", 8, ".1f"), ("bwd_mb_sent", "bwd", "MB/rk", 8, ".1f"),
+    ("algbw", "algbw", "GB/s", 7, ".3f"), ("busbw", "busbw", "GB/s", 7, ".3f"),
+    ("compute_ms", "comp", "ms", 9, ".1f"), ("exposed_ms", "exposed", "ms", 8, ".1f"),
+    ("overlap", "overlap", "", 7, ".2f"), ("vs_local", "vs", "local", 6, ".2f"),
     ("steps_skipped", "skip", "steps", 5, "d"), ("peak_mb", "peak", "MB/rk", 7, ".0f"),
     ("wrong", "#wrong", "", 6, "d"),
 ]
+# The keys that identify a configuration (regression mode matches rows on them).
+CONFIG_KEYS = ("seqlen", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
+               "bwd_mode", "ranks")
+
+# Published setups, so users can compare directly. Lengths are global; "per_rank" ones
+# scale with the number of ranks.
+PRESETS = {
+    # ring-flash-attention's benchmark: Llama-3-8B attention, 8K tokens per GPU.
+    "ring-flash-attn": dict(heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", mask="causal",
+                            layout="zigzag", per_rank=8192),
+    # BurstEngine (Sun et al.): 40 heads, head dim 128, bf16, causal, 128K to 1M tokens.
+    "burstengine": dict(heads=40, kv_heads=40, head_dim=128, dtype="bfloat16", mask="causal",
+                        layout="zigzag", minseq=128 * 1024, maxseq=1024 * 1024, stepfactor=2),
+}
 MEMORY_COLUMNS = [
     ("fwd_operands_mb", "fwd", "oper MB", 8, ".0f"), ("fwd_traced_peak_mb", "fwd", "peak MB", 8, ".0f"),
     ("bwd_operands_mb", "bwd", "oper MB", 8, ".0f"), ("bwd_traced_peak_mb", "bwd", "peak MB", 8, ".0f"),
@@ -294,6 +325,36 @@ def _footprint(comm, cfg, window, q, k, v, do):
     return dict(zip(("fwd_operands_mb", "fwd_traced_peak_mb", "bwd_operands_mb", "bwd_traced_peak_mb"), mb))
 
 
+def _local_kernel_s(plan, q, k, v, do, iters):
+    """Seconds of the backend's local forward and backward on one unmasked block of this
+    rank's own q against its own k, v: the single-device work one ring step does."""
+    from .masks import Window
+    from .ring import _rows
+
+    be, xp = plan.backend, plan.backend.xp
+    B, C, Z, d = q.shape
+    Zkv, dv = k.shape[2], v.shape[3]
+    g = Z // Zkv
+    acc = be.acc_dtype(q.dtype)
+    pos = np.arange(C)
+    dense = Window()
+    qr, dor = _rows(q, Zkv), _rows(do, Zkv)
+    kr, vr = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    tf = tb = float("inf")
+    for _ in range(max(1, iters)):
+        state = be.fwd_state(B, Zkv, C, g, dv, acc)
+        t0 = time.perf_counter()
+        be.fwd_block(qr, kr, vr, state, pos, pos, dense, plan.scale)
+        tf = min(tf, time.perf_counter() - t0)
+        out, lse = be.fwd_finalize(state, q.dtype)
+        D = (out.astype(acc) * out.astype(acc)).sum(axis=-1)
+        grads = [xp.zeros((B, Zkv, C, g, d), acc), xp.zeros((B, Zkv, C, d), acc), xp.zeros((B, Zkv, C, dv), acc)]
+        t0 = time.perf_counter()
+        be.bwd_block(qr, dor, D, lse, kr, vr, *grads, pos, pos, dense, plan.scale)
+        tb = min(tb, time.perf_counter() - t0)
+    return tf, tb
+
+
 def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed,
                trace_memory=False):
     """Benchmark one configuration; return its row (identical on every rank)."""
@@ -319,14 +380,30 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     name, red = REDUCE[reduce]
     all_f = comm.allgather(float(np.mean(tf)))
     all_b = comm.allgather(float(np.mean(tb)))
+    all_fb = [a + b for a, b in zip(all_f, all_b)]
     tf_s, tb_s = float(red(all_f)), float(red(all_b))
-    fb_s = float(red([a + b for a, b in zip(all_f, all_b)]))
+    fb_s = float(red(all_fb))
+    comm.Barrier()
+    lf, lb = _local_kernel_s(plan, q, k, v, do, max(1, iters // 2))
+    lf, lb = comm.allreduce(lf, op=MPI.MAX), comm.allreduce(lb, op=MPI.MAX)
+    compute = comm.allreduce(st.forward.compute_s + st.backward.compute_s, op=MPI.MAX)
+    exposed = comm.allreduce(st.forward.wait_s + st.backward.wait_s, op=MPI.MAX)
+    sent = comm.allreduce(st.forward.bytes_sent + st.backward.bytes_sent, op=MPI.MAX)
     row = dict(cfg)
     row.pop("bwd_comm")
     fl = {phase: flops(B, N, Z, d, cfg["causal"], phase, window) for phase in ("fwd", "bwd", "fwdbwd")}
+    local_rate = 3.5 * 4.0 * B * Z * C * C * d / (lf + lb)  # dense C x C block, fwd + bwd
     row.update(
-        bwd_mode=st.bwd_mode, ranks=P,
+        bwd_mode=st.bwd_mode, ranks=P, backend=st.backend, transport=st.transport,
         fwd_ms=1e3 * tf_s, bwd_ms=1e3 * tb_s, fwdbwd_ms=1e3 * fb_s,
+        fwd_ms_min=1e3 * min(all_f), fwd_ms_avg=1e3 * float(np.mean(all_f)), fwd_ms_max=1e3 * max(all_f),
+        bwd_ms_min=1e3 * min(all_b), bwd_ms_avg=1e3 * float(np.mean(all_b)), bwd_ms_max=1e3 * max(all_b),
+        fwdbwd_ms_min=1e3 * min(all_fb), fwdbwd_ms_avg=1e3 * float(np.mean(all_fb)),
+        fwdbwd_ms_max=1e3 * max(all_fb),
+        algbw=sent / fb_s / 1e9, busbw=sent / fb_s / 1e9,
+        compute_ms=1e3 * compute, exposed_ms=1e3 * exposed,  # the last iteration's forward + backward
+        overlap=compute / (compute + exposed) if compute + exposed > 0 else 1.0,
+        local_fwd_ms=1e3 * lf, local_bwd_ms=1e3 * lb, local_fwdbwd_tflops=local_rate / 1e12,
         fwd_tflops=fl["fwd"] / P / tf_s / 1e12,
         bwd_tflops=fl["bwd"] / P / tb_s / 1e12,
         fwdbwd_tflops=fl["fwdbwd"] / P / fb_s / 1e12,
@@ -339,6 +416,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         wrong=-1,
     )
     row["fwdbwd_tflops_all"] = row["fwdbwd_tflops"] * P
+    row["vs_local"] = row["fwdbwd_tflops"] / row["local_fwdbwd_tflops"]
     row.update(memory)
     if check:
         row["wrong"] = _count_wrong(comm, row, local, out, lse, grads, window,
@@ -351,6 +429,21 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         row["vs_torch_fwd"] = row["fwd_tflops"] * P / row["torch_fwd_tflops"]
         row["vs_torch_fwdbwd"] = row["fwdbwd_tflops_all"] / row["torch_fwdbwd_tflops"]
     return row
+
+
+def _progress(comm, done, total, row, secs, elapsed):
+    """One progress line on rank 0's stderr: rewritten in place on a terminal, a plain
+    line otherwise (batch logs stay readable)."""
+    if comm.Get_rank() != 0:
+        return
+    eta = elapsed / done * (total - done)
+    text = (f"# [{done}/{total}] seqlen {row['seqlen']} {row['dtype']} causal {row['causal']} "
+            f"{row['layout']} {row['bwd_mode']}: {secs:.1f} s, elapsed {elapsed:.0f} s, eta {eta:.0f} s")
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + text + ("\n" if done == total else ""))
+    else:
+        sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _format(columns, row):
@@ -397,11 +490,37 @@ def _header(columns):
 @click.option("--trace-memory", is_flag=True,
               help="Trace NumPy allocations: exact peak array bytes per rank and phase.")
 @click.option("--seed", default=0, show_default=True)
-def main(minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_path, batch, heads,
-         kv_heads, head_dim, mask, layout, window, bwd_comm, use_torch, trace_memory, seed):
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
+              help="A published setup (explicit flags still win): ring-flash-attn = 32/8 heads, "
+                   "d 128, bf16, causal zigzag, 8K tokens per rank; burstengine = 40 heads, d 128, "
+                   "bf16, causal, 128K..1M tokens.")
+@click.option("--baseline", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Regression mode: compare with this -J file; exit 3 if a configuration is slower "
+                   "than --tolerance allows.")
+@click.option("--tolerance", default=0.10, show_default=True, type=click.FloatRange(0),
+              help="Allowed slow-down in regression mode, as a fraction (0.1 = 10 %).")
+@click.option("--junit", "junit_path", default=None, help="Write JUnit XML (one test case per row).")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress lines on stderr (rank 0); default: on for sweeps of several rows.")
+@click.pass_context
+def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_path, batch, heads,
+         kv_heads, head_dim, mask, layout, window, bwd_comm, use_torch, trace_memory, seed, preset,
+         baseline, tolerance, junit_path, progress):
     """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
     comm = MPI.COMM_WORLD
     P = comm.Get_size()
+    if preset is not None:
+        given = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        ps = dict(PRESETS[preset])
+        per_rank = ps.pop("per_rank", None)
+        if per_rank is not None:
+            ps.update(minseq=per_rank * P, maxseq=per_rank * P)
+        values = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, heads=heads, kv_heads=kv_heads,
+                      head_dim=head_dim, dtype=dtype, mask=mask, layout=layout)
+        values.update({k: v for k, v in ps.items() if not given(k)})
+        minseq, maxseq, stepfactor = values["minseq"], values["maxseq"], values["stepfactor"]
+        heads, kv_heads, head_dim = values["heads"], values["kv_heads"], values["head_dim"]
+        dtype, mask, layout = values["dtype"], values["mask"], values["layout"]
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise click.BadParameter(f"--kv-heads must divide --heads ({heads}), got {kv_heads}")
@@ -427,7 +546,15 @@ def main(minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_p
     params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=iters, warmup=warmup,
                   check=check, dtype=dtype, average=REDUCE[reduce][0], batch=batch, heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
-                  window=window, bwd=bwd_comm, torch=use_torch, trace_memory=trace_memory, seed=seed)
+                  window=window, bwd=bwd_comm, torch=use_torch, trace_memory=trace_memory, seed=seed,
+                  preset=preset, baseline=baseline, tolerance=tolerance if baseline else None)
+    base_rows = None
+    if baseline is not None:
+        try:
+            base_rows = regress.load_rows(baseline)
+        except (ValueError, OSError, json.JSONDecodeError) as e:
+            raise click.BadParameter(str(e), param_hint="--baseline")
+    show_progress = (len(configs) > 1) if progress is None else progress
     who = comm.gather((socket.gethostname(), os.getpid()), root=0)
     limiter, threads_line = _blas_threads(comm)  # noqa: F841 (kept alive for the run)
     _say(comm, f"# burstmpi-bench {__version__}: backend numpy, transport mpi, {P} rank(s), "
@@ -439,22 +566,45 @@ def main(minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_p
          "#")
     columns = COLUMNS + (MEMORY_COLUMNS if trace_memory else []) + (TORCH_COLUMNS if use_torch else [])
     _say(comm, *_header(columns))
-    rows = []
-    for cfg in configs:
+    rows, t_start = [], time.perf_counter()
+    for i, cfg in enumerate(configs):
+        t0 = time.perf_counter()
         row = run_config(comm, cfg, iters=iters, warmup=warmup, check=check, reduce=reduce,
                          window=window, use_torch=use_torch, seed=seed, trace_memory=trace_memory)
         rows.append(row)
         _say(comm, _format(columns, row))
+        if show_progress:
+            _progress(comm, i + 1, len(configs), row, time.perf_counter() - t0, time.perf_counter() - t_start)
     wrong = sum(max(r["wrong"], 0) for r in rows)
     avg = float(np.mean([r["fwdbwd_tflops"] for r in rows]))
     _say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
                + ("" if check else " (not checked: -c 0)"),
          f"# Avg TFLOP/s per rank (fwd+bwd) : {avg:.4f}",
+         f"# Avg bus bandwidth (GB/s) : {float(np.mean([r['busbw'] for r in rows])):.4f}",
          f"# Max peak memory per rank (MB) : {max(r['peak_mb'] for r in rows):.0f}")
-    if json_path and comm.Get_rank() == 0:
-        with open(json_path, "w") as fh:
-            json.dump({"version": __version__, "ranks": P, "params": params, "rows": rows}, fh, indent=1)
-    sys.exit(1 if wrong else 0)
+    regressed = 0
+    verdicts = [dict(row=r, base=None, ratio=None, status="wrong" if r["wrong"] > 0 else "ok") for r in rows]
+    if base_rows is not None:
+        verdicts = regress.compare(rows, base_rows, tolerance, CONFIG_KEYS)
+        for v in verdicts:
+            r = v["row"]
+            if v["status"] == "regressed":
+                _say(comm, f"# REGRESSED {regress.describe(r, CONFIG_KEYS)}: f+b {r['fwdbwd_ms']:.1f} ms vs "
+                           f"baseline {v['base']['fwdbwd_ms']:.1f} ms ({100 * (v['ratio'] - 1):+.1f} %)")
+            elif v["status"] == "new":
+                _say(comm, f"# NEW (no baseline row) {regress.describe(r, CONFIG_KEYS)}")
+        regressed = sum(v["status"] == "regressed" for v in verdicts)
+        worst = max((v["ratio"] for v in verdicts if v["ratio"] is not None), default=float("nan"))
+        _say(comm, f"# Regressions against {baseline} (tolerance {100 * tolerance:.0f} %, slowest ratio "
+                   f"{worst:.2f}) : {regressed} {'OK' if regressed == 0 else 'FAILED'}")
+    if comm.Get_rank() == 0:
+        if json_path:
+            with open(json_path, "w") as fh:
+                json.dump({"version": __version__, "ranks": P, "params": params, "rows": rows}, fh, indent=1)
+        if junit_path:
+            with open(junit_path, "w") as fh:
+                fh.write(regress.junit_xml(verdicts, CONFIG_KEYS))
+    sys.exit(1 if wrong else 3 if regressed else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

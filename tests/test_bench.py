@@ -69,3 +69,74 @@ def test_bench_refuses_uneven_lengths():
         assert res.exit_code == 2 and "equal chunks" in res.output
     else:
         pytest.skip("every length splits over one rank")
+
+
+def test_new_columns_are_consistent():
+    res = CliRunner().invoke(main, SMALL + ["-m", "none", "--no-progress", "-J", "/dev/null"])
+    assert res.exit_code == 0, res.output
+    if RANK == 0:
+        header = [l for l in res.output.splitlines() if l.startswith("#  ") and "algbw" in l]
+        assert header, res.output
+
+
+def _run(tmp_path, name, extra):
+    path = tmp_path / name
+    res = CliRunner().invoke(main, SMALL + ["-m", "causal", "--no-progress", "-J", str(path)] + extra)
+    rows = json.loads(path.read_text())["rows"] if RANK == 0 else None
+    return res, rows
+
+
+def test_rows_carry_min_avg_max_bandwidth_and_overlap(tmp_path):
+    res, rows = _run(tmp_path, "a.json", [])
+    assert res.exit_code == 0, res.output
+    if RANK == 0:
+        for r in rows:
+            assert r["fwdbwd_ms_min"] <= r["fwdbwd_ms_avg"] <= r["fwdbwd_ms_max"]
+            assert abs(r["fwdbwd_ms"] - r["fwdbwd_ms_max"]) < 1e-9  # -a 3, the default
+            assert 0 < r["overlap"] <= 1 and r["vs_local"] > 0 and r["local_fwdbwd_tflops"] > 0
+            assert r["busbw"] == r["algbw"] and (r["algbw"] > 0) == (NRANKS > 1)
+
+
+def test_regression_mode_passes_on_itself_and_fails_against_a_faster_baseline(tmp_path):
+    res, rows = _run(tmp_path, "base.json", [])
+    assert res.exit_code == 0, res.output
+    base = tmp_path / "base.json"
+    fast = tmp_path / "fast.json"
+    if RANK == 0:
+        data = json.loads(base.read_text())
+        for r in data["rows"]:
+            r["fwdbwd_ms"] *= 0.7
+        fast.write_text(json.dumps(data))
+    from conftest import COMM
+    COMM.Barrier()
+    res, _ = _run(tmp_path, "again.json", ["--baseline", str(base), "--tolerance", "10"])
+    assert res.exit_code == 0, res.output
+    junit = tmp_path / "j.xml"
+    # Slower than a baseline made 30 % faster, with a 5 % tolerance: exit 3, and JUnit failures.
+    res, _ = _run(tmp_path, "again2.json", ["--baseline", str(fast), "--tolerance", "0.05", "--junit", str(junit)])
+    # Noise can make a tiny run faster than 0.7x its own time; the rows are big enough not to.
+    assert res.exit_code == 3, res.output
+    if RANK == 0:
+        assert "# REGRESSED" in res.output and "FAILED" in res.output
+        assert 'failures="' in junit.read_text() and "<failure" in junit.read_text()
+
+
+def test_presets_set_the_published_shapes_and_flags_still_win(tmp_path):
+    path = tmp_path / "p.json"
+    res = CliRunner().invoke(main, ["--preset", "ring-flash-attn", "-H", "4", "-K", "1", "-D", "32",
+                                    "-d", "float32", "-b", f"{64 * NRANKS}", "-e", f"{64 * NRANKS}",
+                                    "-n", "1", "-w", "0", "-J", str(path)])
+    assert res.exit_code == 0, res.output
+    if RANK == 0:
+        (row,) = json.loads(path.read_text())["rows"]
+        assert (row["heads"], row["kv_heads"], row["head_dim"], row["dtype"]) == (4, 1, 32, "float32")
+        assert row["causal"] == 1 and row["layout"] == "zigzag"  # from the preset
+        assert "preset ring-flash-attn" in res.output
+
+
+def test_progress_goes_to_stderr_as_plain_lines():
+    res = CliRunner().invoke(main, SMALL + ["-m", "none", "--progress"])
+    assert res.exit_code == 0, res.output
+    if RANK == 0:
+        assert "# [2/2] seqlen" in res.stderr and "[2/2]" not in res.stdout
+        assert "\r" not in res.stderr  # not a terminal: plain lines

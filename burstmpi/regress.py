@@ -1,0 +1,69 @@
+"""Regression mode of burstmpi-bench: compare a run with a stored JSON baseline.
+
+A row regresses when its forward+backward time exceeds the baseline's by more than the
+tolerance (a fraction: 0.1 allows 10 % slower), or when it has wrong values. Rows are
+matched on the configuration keys (``bench.CONFIG_KEYS``); a row without a baseline is
+reported as new and does not fail. ``junit_xml`` writes the same verdicts for CI systems.
+"""
+
+import json
+import xml.etree.ElementTree as ET
+
+__all__ = ["load_rows", "compare", "junit_xml", "describe"]
+
+METRIC = "fwdbwd_ms"
+
+
+def load_rows(path):
+    """The rows of a JSON file written by ``burstmpi-bench -J``."""
+    with open(path) as fh:
+        data = json.load(fh)
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"--baseline: expected a burstmpi-bench JSON file with 'rows', got {path}")
+    return rows
+
+
+def _key(row, keys):
+    return tuple(row.get(k) for k in keys)
+
+
+def describe(row, keys):
+    return " ".join(f"{k}={row.get(k)}" for k in keys)
+
+
+def compare(rows, baseline, tolerance, keys):
+    """One verdict per row: dict(row, base, ratio, status) with status "ok", "regressed",
+    "wrong" or "new"."""
+    base = {_key(r, keys): r for r in baseline}
+    out = []
+    for row in rows:
+        b = base.get(_key(row, keys))
+        ratio = None if b is None else row[METRIC] / b[METRIC]
+        if row.get("wrong", 0) > 0:
+            status = "wrong"
+        elif b is None:
+            status = "new"
+        elif ratio > 1.0 + tolerance:
+            status = "regressed"
+        else:
+            status = "ok"
+        out.append(dict(row=row, base=b, ratio=ratio, status=status))
+    return out
+
+
+def junit_xml(verdicts, keys, suite="burstmpi-bench"):
+    """JUnit XML text: one test case per configuration, failed when wrong or regressed."""
+    failures = sum(v["status"] in ("wrong", "regressed") for v in verdicts)
+    ts = ET.Element("testsuite", name=suite, tests=str(len(verdicts)), failures=str(failures))
+    for v in verdicts:
+        row = v["row"]
+        case = ET.SubElement(ts, "testcase", classname=suite, name=describe(row, keys),
+                             time=f"{row[METRIC] / 1e3:.6f}")
+        if v["status"] == "wrong":
+            ET.SubElement(case, "failure", message=f"{row['wrong']} wrong values against float64")
+        elif v["status"] == "regressed":
+            ET.SubElement(case, "failure", message=(
+                f"f+b {row[METRIC]:.2f} ms vs baseline {v['base'][METRIC]:.2f} ms "
+                f"({100 * (v['ratio'] - 1):+.1f} %)"))
+    return ET.tostring(ts, encoding="unicode")
