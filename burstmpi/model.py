@@ -1,0 +1,284 @@
+"""A performance model of the ring: what a run will cost before the GPUs are booked.
+
+From a device's local kernel throughput, the links' bandwidths and latencies (within a
+node and between nodes) and the problem's shape, it predicts for every layout and backward
+mode: per-step compute and transfer times, the exposed communication, memory per rank
+and the total forward/backward time, and recommends the fastest.
+
+The ring runs in lockstep: in step t every rank computes on the block it holds while the
+next block travels (double buffering), so a step takes the longest of all ranks'
+max(compute, transfer), and a rank's exposed time is what it spends beyond its own
+compute. Compute counts exactly the visible (query, key) pairs of each (holder, owner)
+block pair (causal, sliding windows, all three layouts) at the device's dense-block
+throughput; transfers use the bytes ``burstmpi.ring`` actually moves (the ``Schedule``
+decides which steps send) over the slowest link of the ring, intra-node when the ring
+stays in one node. What it leaves out: kernel efficiency on partly masked tiles, and
+contention between the ranks that share a node's network link.
+
+    python -m burstmpi.model predict --machine h100-ib -P 32 -N 1M -H 40 -D 128 --causal
+    python -m burstmpi.model check rows.json [more.json ...] --intra-gbps 5
+"""
+
+import json
+from dataclasses import asdict, dataclass
+
+import click
+import numpy as np
+
+from . import ring
+from .comm import Channel, PartialChannel
+from .layout import LAYOUTS, Layout
+from .masks import Window
+from .schedule import Schedule, interaction_matrix
+
+__all__ = ["Machine", "MACHINES", "visible_pairs", "predict", "recommend"]
+
+
+@dataclass
+class Machine:
+    """Per-rank hardware figures. Throughputs are the local kernel's on dense blocks."""
+    name: str
+    fwd_tflops: float
+    bwd_tflops: float
+    intra_gbps: float      # point-to-point, one direction, between ranks of a node
+    inter_gbps: float      # between nodes, per rank
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+    ranks_per_node: int = 8
+
+
+# Assumed figures (not measurements of ours): an NVLink node of 8 H100-class GPUs on a
+# 400 Gb/s-per-GPU InfiniBand fabric, and an A100 one on 200 Gb/s. Kernel rates are
+# FlashAttention-2-class bf16, head dim 128; replace them with burstmpi-bench's "local"
+# figures from your own GPUs.
+MACHINES = {
+    "h100-ib": Machine("h100-ib", fwd_tflops=350.0, bwd_tflops=250.0, intra_gbps=150.0, inter_gbps=45.0),
+    "a100-ib": Machine("a100-ib", fwd_tflops=190.0, bwd_tflops=150.0, intra_gbps=100.0, inter_gbps=22.0),
+}
+
+
+def _run_pairs(qrun, krun, lo, hi):
+    """Visible pairs between two arithmetic runs of positions (start, step, count)."""
+    (qs, qst, qn), (ks, kst, kn) = qrun, krun
+    lo, hi = min(lo, 1 << 40), min(hi, 1 << 40)
+    i = qs + qst * np.arange(qn, dtype=np.int64)
+    first = np.maximum(0, -(-(i - lo - ks) // kst))  # ceil((i - lo - ks) / kst)
+    last = np.minimum(kn - 1, (i + hi - ks) // kst)
+    return int(np.maximum(0, last - first + 1).sum())
+
+
+def visible_pairs(layout, holder, owner, win):
+    """(query, key) pairs of holder's queries and owner's keys that the mask lets through."""
+    return sum(_run_pairs(qr, kr, win.lo, win.hi)
+               for qr in layout.segments(holder) for kr in layout.segments(owner))
+
+
+@dataclass
+class Shape:
+    batch: int
+    seqlen: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype_bytes: int = 2
+    causal: bool = False
+    window: tuple = None
+
+
+def _phase(shape, machine, P, layout, mode, pairs, needs):
+    """Lockstep simulation of one phase: (time, compute, exposed, bytes sent) per rank."""
+    B, N, Z, Zkv, d, dv = (shape.batch, shape.seqlen, shape.heads, shape.kv_heads, shape.head_dim,
+                           shape.head_dim_v)
+    C = N // P
+    dt = np.float16 if shape.dtype_bytes == 2 else np.float32 if shape.dtype_bytes == 4 else np.float64
+    acc = np.float64 if shape.dtype_bytes == 8 else np.float32
+    dims = (B, C, Z, Zkv, d, dv)
+    packet, partial = ring.packet_fields("forward" if mode == "forward" else mode, dims, dt, acc)
+    pb, qb = ring.nbytes(packet), ring.nbytes(partial)
+    per_pair = 4.0 * B * Z * d * (1.0 if mode == "forward" else 2.5)
+    rate = (machine.fwd_tflops if mode == "forward" else machine.bwd_tflops) * 1e12
+    need = needs.T if mode == "burst" else needs
+    scheds = [Schedule(need, r, pb, qb) for r in range(P)]
+    compute = np.zeros(P)
+    sent = np.zeros(P)
+    total = 0.0
+    exposed = np.zeros(P)
+    for t in range(P):
+        c = np.zeros(P)
+        x = np.zeros(P)
+        for r, s in enumerate(scheds):
+            o = s.owners[t]
+            if s.compute[t]:
+                h, w = (o, r) if mode == "burst" else (r, o)  # burst: the packet holds queries
+                c[r] = pairs[h][w] * per_pair / rate
+            nbytes = (pb if t < P - 1 and (s.send[t] or s.recv[t]) else 0) + (qb if t >= 1 and s.partial_send[t] else 0)
+            if nbytes:
+                same_node = r // machine.ranks_per_node == (r + s.direction) % P // machine.ranks_per_node
+                bw, lat = ((machine.intra_gbps, machine.intra_latency_us) if same_node
+                           else (machine.inter_gbps, machine.inter_latency_us))
+                x[r] = lat * 1e-6 + nbytes / (bw * 1e9)
+                sent[r] += nbytes
+        step = float(np.max(np.maximum(c, x)))
+        total += step
+        compute += c
+        exposed += step - c
+    return total, compute, exposed, sent
+
+
+def predict(shape, machine, P, layout, bwd_mode):
+    """Predicted times (s), exposed communication, bytes and memory of one configuration."""
+    if shape.seqlen % (2 * P if layout == "zigzag" else P):
+        raise ValueError(f"seqlen {shape.seqlen} does not split into equal chunks over {P} ranks ({layout})")
+    C = shape.seqlen // P
+    lay = Layout(layout, P, C)
+    win = Window(shape.causal, shape.window)
+    needs = interaction_matrix(lay, win)
+    pairs = [[visible_pairs(lay, h, o, win) if needs[h, o] else 0 for o in range(P)] for h in range(P)]
+    f = _phase(shape, machine, P, layout, "forward", pairs, needs)
+    b = _phase(shape, machine, P, layout, bwd_mode, pairs, needs)
+    B, Z, Zkv, d, dv, e = (shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.head_dim_v,
+                           shape.dtype_bytes)
+    dims = (B, C, Z, Zkv, d, dv)
+    acc = np.float64 if e == 8 else np.float32
+    dt = {2: np.float16, 4: np.float32, 8: np.float64}[e]
+    packet_f, _ = ring.packet_fields("forward", dims, dt, acc)
+    packet_b, partial_b = ring.packet_fields(bwd_mode, dims, dt, acc)
+    single = P == 1
+    buffers = max(Channel.copies(single) * ring.nbytes(packet_f),
+                  Channel.copies(single) * ring.nbytes(packet_b) + PartialChannel.copies(single) * ring.nbytes(partial_b))
+    a = 4 if e != 8 else 8
+    operands = (B * C * (2 * Z * d + 2 * Zkv * d + Zkv * dv + 2 * Z * dv) * e   # q k v, dq dk dv, out do
+                + B * Z * C * a * 2)                                           # lse, D
+    fp32_state = B * C * (Z * dv + Z * d + Zkv * (d + dv)) * a                  # acc, dq/dk/dv accumulators
+    flops = sum(sum(r) for r in pairs) * 4.0 * B * Z * d
+    fwd_s, bwd_s = f[0], b[0]
+    return dict(layout=layout, bwd_mode=bwd_mode, ranks=P, seqlen=shape.seqlen,
+                fwd_ms=1e3 * fwd_s, bwd_ms=1e3 * bwd_s, fwdbwd_ms=1e3 * (fwd_s + bwd_s),
+                fwd_exposed_ms=1e3 * float(f[2].max()), bwd_exposed_ms=1e3 * float(b[2].max()),
+                fwd_mb_sent=float(f[3].max()) / 1e6, bwd_mb_sent=float(b[3].max()) / 1e6,
+                memory_mb=(operands + fp32_state + buffers) / 1e6,
+                fwdbwd_tflops=3.5 * flops / P / (fwd_s + bwd_s) / 1e12)
+
+
+def recommend(shape, machine, P, layouts=LAYOUTS, modes=("burst", "ring")):
+    """All (layout, mode) predictions, fastest first."""
+    rows = []
+    for layout in layouts:
+        if shape.seqlen % (2 * P if layout == "zigzag" else P):
+            continue
+        for mode in modes:
+            rows.append(predict(shape, machine, P, layout, mode))
+    return sorted(rows, key=lambda r: r["fwdbwd_ms"])
+
+
+# -- command line -------------------------------------------------------------------------------
+
+def _size(ctx, param, value):
+    from .bench import parse_size
+    return parse_size(ctx, param, value)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Predict burstmpi's ring before running it; check the predictions against runs."""
+
+
+_TABLE = [("layout", "10s"), ("bwd_mode", "6s"), ("fwd_ms", "10.2f"), ("bwd_ms", "10.2f"),
+          ("fwdbwd_ms", "10.2f"), ("fwd_exposed_ms", "9.2f"), ("bwd_exposed_ms", "9.2f"),
+          ("fwd_mb_sent", "9.1f"), ("bwd_mb_sent", "9.1f"), ("memory_mb", "9.0f"), ("fwdbwd_tflops", "8.1f")]
+
+
+@main.command()
+@click.option("--machine", type=click.Choice(sorted(MACHINES)), default="h100-ib", show_default=True)
+@click.option("--fwd-tflops", type=float, default=None, help="Override the machine's local forward rate.")
+@click.option("--bwd-tflops", type=float, default=None, help="Override the machine's local backward rate.")
+@click.option("-P", "--ranks", default=8, show_default=True)
+@click.option("-N", "--seqlen", default="128K", callback=_size, show_default=True)
+@click.option("-B", "--batch", default=1, show_default=True)
+@click.option("-H", "--heads", default=32, show_default=True)
+@click.option("-K", "--kv-heads", default=None, type=int)
+@click.option("-D", "--head-dim", default=128, show_default=True)
+@click.option("--dtype-bytes", default=2, show_default=True, type=click.Choice([2, 4, 8]))
+@click.option("--causal", is_flag=True)
+def predict_cmd(machine, fwd_tflops, bwd_tflops, ranks, seqlen, batch, heads, kv_heads, head_dim,
+                dtype_bytes, causal):
+    """Predicted time, traffic and memory for every layout and backward mode."""
+    m = MACHINES[machine]
+    m = Machine(**{**asdict(m), **({"fwd_tflops": fwd_tflops} if fwd_tflops else {}),
+                   **({"bwd_tflops": bwd_tflops} if bwd_tflops else {})})
+    shape = Shape(batch, seqlen, heads, kv_heads or heads, head_dim, head_dim, dtype_bytes, causal)
+    rows = recommend(shape, m, ranks)
+    click.echo(f"# {m}\n# {shape}, {ranks} ranks")
+    click.echo("# " + " ".join(k for k, _ in _TABLE))
+    for r in rows:
+        click.echo("  " + " ".join(format(r[k], f) for k, f in _TABLE))
+    best = rows[0]
+    click.echo(f"# Recommended: layout {best['layout']}, bwd {best['bwd_mode']} "
+               f"({best['fwdbwd_tflops']:.1f} TFLOP/s per rank predicted)")
+
+
+main.add_command(predict_cmd, name="predict")
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--intra-gbps", default=5.0, show_default=True, help="Measured rank-to-rank bandwidth.")
+@click.option("--latency-us", default=5.0, show_default=True)
+def check(files, intra_gbps, latency_us):
+    """Predicted against measured f+b time for each row of burstmpi-bench JSON files; the
+    local kernel rates come from each row's own "local" measurement."""
+    click.echo(f"# {'ranks':>5} {'seqlen':>7} {'causal':>6} {'layout':>10} {'bwd':>5} {'measured':>10} "
+               f"{'predicted':>10} {'ratio':>6}")
+    for path in files:
+        with open(path) as fh:
+            data = json.load(fh)
+        for r in data["rows"]:
+            P, N, B, Z, d = r["ranks"], r["seqlen"], r["batch"], r["heads"], r["head_dim"]
+            C = N // P
+            dense = 4.0 * B * Z * C * C * d
+            m = Machine("measured", fwd_tflops=dense / (r["local_fwd_ms"] * 1e-3) / 1e12,
+                        bwd_tflops=2.5 * dense / (r["local_bwd_ms"] * 1e-3) / 1e12,
+                        intra_gbps=intra_gbps, inter_gbps=intra_gbps, intra_latency_us=latency_us,
+                        inter_latency_us=latency_us, ranks_per_node=max(P, 1))
+            e = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[r["dtype"]]
+            shape = Shape(B, N, Z, r["kv_heads"], d, d, e, bool(r["causal"]))
+            p = predict(shape, m, P, r["layout"], r["bwd_mode"])
+            click.echo(f"  {P:5d} {N:7d} {r['causal']:6d} {r['layout']:>10} {r['bwd_mode']:>5} "
+                       f"{r['fwdbwd_ms']:10.1f} {p['fwdbwd_ms']:10.1f} {r['fwdbwd_ms'] / p['fwdbwd_ms']:6.2f}")
+
+
+@main.command()
+@click.option("--mbytes", default=64, show_default=True, help="Message size for the bandwidth.")
+def pingpong(mbytes):
+    """Rank-to-rank bandwidth and latency over MPI (run with mpiexec -n 2): the figures
+    ``check`` and ``predict`` want for the links."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != 2:
+        raise click.UsageError("run under mpiexec -n 2")
+    peer = 1 - comm.Get_rank()
+    big, small = np.zeros(mbytes << 20, np.uint8), np.zeros(8, np.uint8)
+
+    def rtt(buf, reps):
+        comm.Barrier()
+        t0 = MPI.Wtime()
+        for _ in range(reps):
+            if comm.Get_rank() == 0:
+                comm.Send(buf, peer)
+                comm.Recv(buf, peer)
+            else:
+                comm.Recv(buf, peer)
+                comm.Send(buf, peer)
+        return (MPI.Wtime() - t0) / reps
+
+    rtt(big, 1)
+    lat = rtt(small, 200) / 2
+    bw = big.nbytes / (rtt(big, 5) / 2 - lat)
+    if comm.Get_rank() == 0:
+        click.echo(f"# latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s ({mbytes} MiB messages)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The performance model: exact pair counts, the bytes algorithm.md gives, sane predictions."""
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from burstmpi import model
+from burstmpi.layout import LAYOUTS, Layout
+from burstmpi.masks import Window, tile_mask
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (5, 2)), (True, (9, 0))])
+def test_visible_pairs_count_the_mask_exactly(layout, causal, window):
+    P, C = 4, 12
+    lay, win = Layout(layout, P, C), Window(causal, window)
+    for h in range(P):
+        for o in range(P):
+            brute = int(tile_mask(lay.positions(h), lay.positions(o), win).sum())
+            assert model.visible_pairs(lay, h, o, win) == brute
+
+
+def test_traffic_matches_algorithm_md():
+    """Non-causal: every rank sends P-1 full packets a phase: fwd 2 e B C Zkv d; burst
+    (2e+4) B C Z d + 8 B C Z; ring (2e+8) B C Zkv d (partials included)."""
+    B, N, Z, Zkv, d, e, P = 1, 8192, 32, 8, 128, 2, 4
+    C = N // P
+    shape = model.Shape(B, N, Z, Zkv, d, d, e, causal=False)
+    m = model.MACHINES["h100-ib"]
+    burst = model.predict(shape, m, P, "contiguous", "burst")
+    ringm = model.predict(shape, m, P, "contiguous", "ring")
+    mb = lambda x: x / 1e6
+    assert burst["fwd_mb_sent"] == pytest.approx(mb((P - 1) * 2 * e * B * C * Zkv * d))
+    assert burst["bwd_mb_sent"] == pytest.approx(mb((P - 1) * ((2 * e + 4) * B * C * Z * d + 8 * B * C * Z)))
+    assert ringm["bwd_mb_sent"] == pytest.approx(mb((P - 1) * (2 * e + 8) * B * C * Zkv * d))
+
+
+def test_predictions_behave():
+    m = model.MACHINES["h100-ib"]
+    shape = model.Shape(1, 64 * 1024, 32, 32, 128, 128, 2, causal=True)
+    rows = model.recommend(shape, m, 8)
+    assert rows == sorted(rows, key=lambda r: r["fwdbwd_ms"])
+    by = {(r["layout"], r["bwd_mode"]): r for r in rows}
+    # Causal load balance: zigzag and striped beat contiguous.
+    assert by[("zigzag", "burst")]["fwdbwd_ms"] < by[("contiguous", "burst")]["fwdbwd_ms"]
+    # One rank cannot beat the device: per-rank rate stays below the kernel's.
+    one = model.predict(model.Shape(1, 8192, 8, 8, 128, 128, 2), m, 1, "contiguous", "burst")
+    assert one["fwdbwd_tflops"] <= m.fwd_tflops and one["fwd_exposed_ms"] == 0
+    # A slow network shows up as exposed communication.
+    slow = model.Machine("slow", 350, 250, intra_gbps=1, inter_gbps=1)
+    s = model.predict(model.Shape(1, 16384, 8, 8, 128, 128, 2), slow, 4, "contiguous", "burst")
+    assert s["fwd_exposed_ms"] > 0.5 * s["fwd_ms"]
+
+
+def test_cli_predicts_and_recommends():
+    res = CliRunner().invoke(model.main, ["predict", "-P", "4", "-N", "16K", "-H", "8", "--causal"])
+    assert res.exit_code == 0, res.output
+    assert "# Recommended: layout" in res.output
+    assert sum(1 for l in res.output.splitlines() if not l.startswith("#")) == 6
