@@ -484,7 +484,8 @@ def _header(columns):
 @click.option("-l", "--layout", default="zigzag", show_default=True, type=click.Choice(list(LAYOUTS) + ["all"]))
 @click.option("--window", default=None, callback=parse_window, help="Sliding window LEFT,RIGHT (-1 = unbounded).")
 @click.option("--bwd", "bwd_comm", default="auto", show_default=True,
-              type=click.Choice(["auto", "burst", "ring", "all"]), help="Backward communication mode.")
+              type=click.Choice(["auto", "burst", "ring", "all"]),
+              help="Backward communication mode; all = burst and ring side by side.")
 @click.option("--torch/--no-torch", "use_torch", default=False, show_default=True,
               help="Also time PyTorch scaled_dot_product_attention on the global problem (rank 0).")
 @click.option("--trace-memory", is_flag=True,
@@ -538,7 +539,7 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
                for dt in _choices(dtype, DTYPES)
                for c in causals
                for lay in _choices(layout, LAYOUTS)
-               for bw in _choices(bwd_comm, ["auto", "burst", "ring"])]
+               for bw in _choices(bwd_comm, ["burst", "ring"])]  # "all": both modes, side by side
     parts = {cfg["seqlen"] % (2 * P if cfg["layout"] == "zigzag" else P) for cfg in configs}
     if parts != {0}:
         raise click.BadParameter(f"every sequence length must split into equal chunks over {P} ranks "
