@@ -23,7 +23,9 @@ threads torch takes), and ``vs torch`` is our aggregate TFLOP/s over torch's. Wi
 what the phase cannot do without (its arrays in and out and the plan's ring buffers) and
 "peak MB" the largest total of live NumPy arrays during the call, inputs included
 (tracemalloc), max over ranks. "peak MB/rk" is the process's
-maximum resident set, interpreter and libraries included.
+maximum resident set, interpreter and libraries included (on GPUs: the bytes CuPy's memory
+pool holds). With --backend cuda (the default "auto" picks it when every rank has a GPU)
+the arrays live on each rank's GPU and every phase is timed to the end of its GPU work.
 
 More columns, per configuration: "f+b min/max" are the fastest and slowest rank's
 forward+backward; algbw is the bytes one rank sent in forward and backward over the
@@ -208,10 +210,64 @@ def _peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
 
 
-def _time(comm, fn):
+class Device:
+    """Where the bench's arrays live: the host (NumPy) or this rank's GPU (CuPy)."""
+
+    def __init__(self, backend, cupy=None):
+        self.backend, self.cupy = backend, cupy
+        self.xp = cupy if cupy is not None else np
+
+    def put(self, x):
+        return x if self.cupy is None else self.cupy.asarray(x)
+
+    @staticmethod
+    def host(x):
+        get = getattr(x, "get", None)
+        return np.asarray(get() if get is not None else x)
+
+    def sync(self):
+        if self.cupy is not None:
+            self.cupy.cuda.get_current_stream().synchronize()
+
+    def peak_mb(self):
+        """Host: the process's maximum resident set. GPU: bytes CuPy's pool holds."""
+        if self.cupy is None:
+            return _peak_mb()
+        return self.cupy.get_default_memory_pool().total_bytes() / 1e6
+
+    def describe(self):
+        if self.cupy is None:
+            return "cpu (numpy)"
+        dev = self.cupy.cuda.Device()
+        name = self.cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+        return f"cuda:{dev.id} {name}"
+
+
+def _device(comm, backend):
+    """Resolve --backend on every rank alike: "cuda" only if every rank has a GPU."""
+    cupy = None
+    if backend in ("auto", "cuda"):
+        try:
+            from .device import import_cupy
+
+            cupy = import_cupy("burstmpi-bench")
+        except (NotImplementedError, RuntimeError) as e:
+            if backend == "cuda":
+                raise click.UsageError(str(e))
+    everyone = comm.allreduce(cupy is not None, op=MPI.LAND)
+    if backend == "cuda" and not everyone:
+        raise click.UsageError("--backend cuda: some rank has no usable GPU")
+    return Device("cuda", cupy) if everyone else Device("numpy")
+
+
+def _time(comm, fn, dev=None):
+    if dev is not None:
+        dev.sync()
     comm.Barrier()
     t0 = time.perf_counter()
     result = fn()
+    if dev is not None:
+        dev.sync()
     return time.perf_counter() - t0, result
 
 
@@ -250,8 +306,9 @@ def _count_wrong(comm, cfg, local, out, lse, grads, window, positions):
     return comm.allreduce(bad, op=MPI.SUM)
 
 
-def _torch_times(comm, cfg, local, iters):
-    """Rank 0 times torch SDPA on the whole global problem; returns (fwd_s, fwdbwd_s)."""
+def _torch_times(comm, cfg, local, iters, gpu=False):
+    """Rank 0 times torch SDPA on the whole global problem (on its GPU with ``gpu``);
+    returns (fwd_s, fwdbwd_s)."""
     glob = [unshard(x, layout=cfg["layout"]) for x in local]
     result = (float("nan"), float("nan"))
     if comm.Get_rank() == 0:
@@ -266,7 +323,8 @@ def _torch_times(comm, cfg, local, iters):
             a = x.view(np.int16) if cfg["dtype"] == "bfloat16" else x
             tt = torch.from_numpy(np.ascontiguousarray(a))
             # torch's attention wants (B, heads, N, d); give it a contiguous copy, its fast path.
-            return (tt.view(torch.bfloat16) if cfg["dtype"] == "bfloat16" else tt).transpose(1, 2).contiguous()
+            tt = (tt.view(torch.bfloat16) if cfg["dtype"] == "bfloat16" else tt).transpose(1, 2).contiguous()
+            return tt.cuda() if gpu else tt
 
         q, k, v, do = (t(x) for x in glob)
         gqa = dict(enable_gqa=True) if cfg["kv_heads"] != cfg["heads"] else {}
@@ -281,9 +339,10 @@ def _torch_times(comm, cfg, local, iters):
         def fwdbwd():
             F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, **gqa).backward(do)
 
+        sync = torch.cuda.synchronize if gpu else (lambda: None)
         fwd(), fwdbwd()
-        tf = min(_wall(fwd) for _ in range(iters))
-        tfb = min(_wall(fwdbwd) for _ in range(iters))
+        tf = min(_wall(fwd, sync) for _ in range(iters))
+        tfb = min(_wall(fwdbwd, sync) for _ in range(iters))
         result = (tf, tfb)
     _idle_barrier(comm)
     return result
@@ -296,9 +355,11 @@ def _idle_barrier(comm):
         time.sleep(0.005)
 
 
-def _wall(fn):
+def _wall(fn, sync=lambda: None):
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -325,7 +386,7 @@ def _footprint(comm, cfg, window, q, k, v, do):
     return dict(zip(("fwd_operands_mb", "fwd_traced_peak_mb", "bwd_operands_mb", "bwd_traced_peak_mb"), mb))
 
 
-def _local_kernel_s(plan, q, k, v, do, iters):
+def _local_kernel_s(plan, q, k, v, do, iters, dev):
     """Seconds of the backend's local forward and backward on one unmasked block of this
     rank's own q against its own k, v: the single-device work one ring step does."""
     from .masks import Window
@@ -343,21 +404,26 @@ def _local_kernel_s(plan, q, k, v, do, iters):
     tf = tb = float("inf")
     for _ in range(max(1, iters)):
         state = be.fwd_state(B, Zkv, C, g, dv, acc)
+        dev.sync()
         t0 = time.perf_counter()
         be.fwd_block(qr, kr, vr, state, pos, pos, dense, plan.scale)
+        dev.sync()
         tf = min(tf, time.perf_counter() - t0)
         out, lse = be.fwd_finalize(state, q.dtype)
         D = (out.astype(acc) * out.astype(acc)).sum(axis=-1)
         grads = [xp.zeros((B, Zkv, C, g, d), acc), xp.zeros((B, Zkv, C, d), acc), xp.zeros((B, Zkv, C, dv), acc)]
+        dev.sync()
         t0 = time.perf_counter()
         be.bwd_block(qr, dor, D, lse, kr, vr, *grads, pos, pos, dense, plan.scale)
+        dev.sync()
         tb = min(tb, time.perf_counter() - t0)
     return tf, tb
 
 
 def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed,
-               trace_memory=False):
+               trace_memory=False, dev=None, transport="auto"):
     """Benchmark one configuration; return its row (identical on every rank)."""
+    dev = Device("numpy") if dev is None else dev
     P, rank = comm.Get_size(), comm.Get_rank()
     B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     C = N // P
@@ -365,14 +431,15 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     dt = _np_dtype(cfg["dtype"])
     shapes = [(B, C, Z, d), (B, C, Zkv, d), (B, C, Zkv, d), (B, C, Z, d)]
     local = [rng.standard_normal(s, dtype=np.float32).astype(dt) for s in shapes]
-    q, k, v, do = local
+    q, k, v, do = (dev.put(x) for x in local)
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
-                          bwd_comm=cfg["bwd_comm"])
+                          bwd_comm=cfg["bwd_comm"], backend=dev.backend,
+                          transport=transport if dev.backend == "cuda" else "auto")
     memory = _footprint(comm, cfg, window, q, k, v, do) if trace_memory else {}
     tf, tb = [], []
     for i in range(warmup + iters):
-        a, (out, lse) = _time(comm, lambda: plan.forward(q, k, v))
-        b, grads = _time(comm, lambda: plan.backward(do, q, k, v, out, lse))
+        a, (out, lse) = _time(comm, lambda: plan.forward(q, k, v), dev)
+        b, grads = _time(comm, lambda: plan.backward(do, q, k, v, out, lse), dev)
         if i >= warmup:
             tf.append(a)
             tb.append(b)
@@ -384,7 +451,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     tf_s, tb_s = float(red(all_f)), float(red(all_b))
     fb_s = float(red(all_fb))
     comm.Barrier()
-    lf, lb = _local_kernel_s(plan, q, k, v, do, max(1, iters // 2))
+    lf, lb = _local_kernel_s(plan, q, k, v, do, max(1, iters // 2), dev)
     lf, lb = comm.allreduce(lf, op=MPI.MAX), comm.allreduce(lb, op=MPI.MAX)
     compute = comm.allreduce(st.forward.compute_s + st.backward.compute_s, op=MPI.MAX)
     exposed = comm.allreduce(st.forward.wait_s + st.backward.wait_s, op=MPI.MAX)
@@ -412,17 +479,17 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         steps_skipped=comm.allreduce(st.forward.steps_skipped, op=MPI.SUM),
         fwd_wait_ms=1e3 * comm.allreduce(st.forward.wait_s, op=MPI.MAX),
         bwd_wait_ms=1e3 * comm.allreduce(st.backward.wait_s, op=MPI.MAX),
-        peak_mb=comm.allreduce(_peak_mb(), op=MPI.MAX),
+        peak_mb=comm.allreduce(dev.peak_mb(), op=MPI.MAX),
         wrong=-1,
     )
     row["fwdbwd_tflops_all"] = row["fwdbwd_tflops"] * P
     row["vs_local"] = row["fwdbwd_tflops"] / row["local_fwdbwd_tflops"]
     row.update(memory)
     if check:
-        row["wrong"] = _count_wrong(comm, row, local, out, lse, grads, window,
-                                    plan.layout.positions(rank))
+        row["wrong"] = _count_wrong(comm, row, local, dev.host(out), dev.host(lse),
+                                    [dev.host(g) for g in grads], window, plan.layout.positions(rank))
     if use_torch:
-        t_f, t_fb = _torch_times(comm, row, local, iters)
+        t_f, t_fb = _torch_times(comm, row, local, iters, gpu=dev.backend == "cuda")
         t_f, t_fb = comm.bcast((t_f, t_fb), root=0)
         row["torch_fwd_tflops"] = fl["fwd"] / t_f / 1e12
         row["torch_fwdbwd_tflops"] = fl["fwdbwd"] / t_fb / 1e12
@@ -491,6 +558,10 @@ def _header(columns):
 @click.option("--trace-memory", is_flag=True,
               help="Trace NumPy allocations: exact peak array bytes per rank and phase.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "numpy", "cuda"]),
+              help="Where the arrays live: auto = the GPU when every rank has one, else the host.")
+@click.option("--transport", default="auto", show_default=True, type=click.Choice(["auto", "nccl", "mpi"]),
+              help="GPU ring transport (see BurstAttention).")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
               help="A published setup (explicit flags still win): ring-flash-attn = 32/8 heads, "
                    "d 128, bf16, causal zigzag, 8K tokens per rank; burstengine = 40 heads, d 128, "
@@ -505,8 +576,8 @@ def _header(columns):
               help="Progress lines on stderr (rank 0); default: on for sweeps of several rows.")
 @click.pass_context
 def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_path, batch, heads,
-         kv_heads, head_dim, mask, layout, window, bwd_comm, use_torch, trace_memory, seed, preset,
-         baseline, tolerance, junit_path, progress):
+         kv_heads, head_dim, mask, layout, window, bwd_comm, use_torch, trace_memory, seed, backend,
+         transport, preset, baseline, tolerance, junit_path, progress):
     """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
     comm = MPI.COMM_WORLD
     P = comm.Get_size()
@@ -556,13 +627,17 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
         except (ValueError, OSError, json.JSONDecodeError) as e:
             raise click.BadParameter(str(e), param_hint="--baseline")
     show_progress = (len(configs) > 1) if progress is None else progress
-    who = comm.gather((socket.gethostname(), os.getpid()), root=0)
+    dev = _device(comm, backend)
+    if trace_memory and dev.backend == "cuda":
+        raise click.UsageError("--trace-memory traces NumPy allocations; use --backend numpy")
+    params.update(backend=dev.backend, transport=transport if dev.backend == "cuda" else "mpi")
+    who = comm.gather((socket.gethostname(), os.getpid(), dev.describe()), root=0)
     limiter, threads_line = _blas_threads(comm)  # noqa: F841 (kept alive for the run)
-    _say(comm, f"# burstmpi-bench {__version__}: backend numpy, transport mpi, {P} rank(s), "
+    _say(comm, f"# burstmpi-bench {__version__}: backend {dev.backend}, {P} rank(s), "
                f"{MPI.Get_library_version().splitlines()[0].strip()}",
          "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
          threads_line,
-         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device cpu (numpy)" for r, (host, pid) in enumerate(who)]
+         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
            if who else []),
          "#")
     columns = COLUMNS + (MEMORY_COLUMNS if trace_memory else []) + (TORCH_COLUMNS if use_torch else [])
@@ -571,7 +646,8 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
         row = run_config(comm, cfg, iters=iters, warmup=warmup, check=check, reduce=reduce,
-                         window=window, use_torch=use_torch, seed=seed, trace_memory=trace_memory)
+                         window=window, use_torch=use_torch, seed=seed, trace_memory=trace_memory,
+                         dev=dev, transport=transport)
         rows.append(row)
         _say(comm, _format(columns, row))
         if show_progress:
