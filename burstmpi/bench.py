@@ -498,12 +498,14 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     return row
 
 
-def _progress(comm, done, total, row, secs, elapsed):
+def _progress(comm, done, total, row, secs, elapsed, work_done):
     """One progress line on rank 0's stderr: rewritten in place on a terminal, a plain
-    line otherwise (batch logs stay readable)."""
+    line otherwise (batch logs stay readable). ``work_done`` is the fraction of the
+    sweep's FLOPs finished: lengths grow quadratically in cost, so the estimate of the
+    time left weighs configurations by their FLOPs, not by their count."""
     if comm.Get_rank() != 0:
         return
-    eta = elapsed / done * (total - done)
+    eta = elapsed / work_done * (1.0 - work_done) if work_done > 0 else float("nan")
     text = (f"# [{done}/{total}] seqlen {row['seqlen']} {row['dtype']} causal {row['causal']} "
             f"{row['layout']} {row['bwd_mode']}: {secs:.1f} s, elapsed {elapsed:.0f} s, eta {eta:.0f} s")
     if sys.stderr.isatty():
@@ -566,7 +568,7 @@ def _header(columns):
               help="A published setup (explicit flags still win): ring-flash-attn = 32/8 heads, "
                    "d 128, bf16, causal zigzag, 8K tokens per rank; burstengine = 40 heads, d 128, "
                    "bf16, causal, 128K..1M tokens.")
-@click.option("--baseline", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--baseline", type=click.Path(dir_okay=False), default=None,
               help="Regression mode: compare with this -J file; exit 3 if a configuration is slower "
                    "than --tolerance allows.")
 @click.option("--tolerance", default=0.10, show_default=True, type=click.FloatRange(0),
@@ -622,10 +624,18 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
                   preset=preset, baseline=baseline, tolerance=tolerance if baseline else None)
     base_rows = None
     if baseline is not None:
-        try:
-            base_rows = regress.load_rows(baseline)
-        except (ValueError, OSError, json.JSONDecodeError) as e:
-            raise click.BadParameter(str(e), param_hint="--baseline")
+        # Rank 0 reads it and every rank gets the rows (or the same error): the file need
+        # not be on a shared file system, and a missing one cannot leave ranks waiting.
+        loaded = None
+        if comm.Get_rank() == 0:
+            try:
+                loaded = regress.load_rows(baseline)
+            except (ValueError, OSError, json.JSONDecodeError) as e:
+                loaded = str(e)
+        loaded = comm.bcast(loaded, root=0)
+        if isinstance(loaded, str):
+            raise click.BadParameter(loaded, param_hint="--baseline")
+        base_rows = loaded
     show_progress = (len(configs) > 1) if progress is None else progress
     dev = _device(comm, backend)
     if trace_memory and dev.backend == "cuda":
@@ -643,6 +653,8 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
     columns = COLUMNS + (MEMORY_COLUMNS if trace_memory else []) + (TORCH_COLUMNS if use_torch else [])
     _say(comm, *_header(columns))
     rows, t_start = [], time.perf_counter()
+    work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window)
+            for c in configs]
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
         row = run_config(comm, cfg, iters=iters, warmup=warmup, check=check, reduce=reduce,
@@ -651,7 +663,8 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
         rows.append(row)
         _say(comm, _format(columns, row))
         if show_progress:
-            _progress(comm, i + 1, len(configs), row, time.perf_counter() - t0, time.perf_counter() - t_start)
+            _progress(comm, i + 1, len(configs), row, time.perf_counter() - t0, time.perf_counter() - t_start,
+                      sum(work[:i + 1]) / sum(work))
     wrong = sum(max(r["wrong"], 0) for r in rows)
     avg = float(np.mean([r["fwdbwd_tflops"] for r in rows]))
     _say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"

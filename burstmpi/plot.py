@@ -57,6 +57,7 @@ def plot_rows(rows, out):
             if len(rs) > 1:
                 ax.plot([r["ranks"] for r in rs], [r["fwdbwd_tflops_all"] for r in rs], marker="o",
                         label="N={} {} causal={} {} {}".format(*key))
+        ax.set_xticks(ranks)
         ax.set_xlabel("ranks")
         ax.set_ylabel("fwd+bwd TFLOP/s, all ranks")
         ax.grid(True, alpha=0.3)

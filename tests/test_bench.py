@@ -79,6 +79,13 @@ def test_new_columns_are_consistent():
         assert header, res.output
 
 
+def _shared(tmp_path):
+    """Rank 0's temporary folder, the same path on every rank (one machine)."""
+    from conftest import COMM
+    from pathlib import Path
+    return Path(COMM.bcast(str(tmp_path), root=0))
+
+
 def _run(tmp_path, name, extra):
     path = tmp_path / name
     res = CliRunner().invoke(main, SMALL + ["-m", "causal", "--no-progress", "-J", str(path)] + extra)
@@ -87,7 +94,7 @@ def _run(tmp_path, name, extra):
 
 
 def test_rows_carry_min_avg_max_bandwidth_and_overlap(tmp_path):
-    res, rows = _run(tmp_path, "a.json", [])
+    res, rows = _run(_shared(tmp_path), "a.json", [])
     assert res.exit_code == 0, res.output
     if RANK == 0:
         for r in rows:
@@ -98,6 +105,7 @@ def test_rows_carry_min_avg_max_bandwidth_and_overlap(tmp_path):
 
 
 def test_regression_mode_passes_on_itself_and_fails_against_a_faster_baseline(tmp_path):
+    tmp_path = _shared(tmp_path)
     res, rows = _run(tmp_path, "base.json", [])
     assert res.exit_code == 0, res.output
     base = tmp_path / "base.json"
@@ -132,6 +140,11 @@ def test_presets_set_the_published_shapes_and_flags_still_win(tmp_path):
         assert (row["heads"], row["kv_heads"], row["head_dim"], row["dtype"]) == (4, 1, 32, "float32")
         assert row["causal"] == 1 and row["layout"] == "zigzag"  # from the preset
         assert "preset ring-flash-attn" in res.output
+
+
+def test_a_missing_baseline_is_one_error_on_every_rank(tmp_path):
+    res = CliRunner().invoke(main, SMALL + ["--baseline", str(tmp_path / "nope.json")])
+    assert res.exit_code == 2 and "--baseline" in res.output and "nope.json" in res.output
 
 
 def test_progress_goes_to_stderr_as_plain_lines():
