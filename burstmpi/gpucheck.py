@@ -300,12 +300,21 @@ def main(quick, ranks_only, transport, seqlen_local):
           f"{cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, driver "
           f"{cupy.cuda.runtime.driverGetVersion()}", flush=True)
     rep, t0 = Report(), time.perf_counter()
-    check_probe(cupy, dev.id, rep)
-    check_one_rank(cupy, rep, quick)
-    check_interop(rep)
-    check_ranks(rep, transport, quick)
+    steps = [("probe", lambda: check_probe(cupy, dev.id, rep)),
+             ("kernels", lambda: check_one_rank(cupy, rep, quick)),
+             ("interop", lambda: check_interop(rep)),
+             ("ranks", lambda: check_ranks(rep, transport, quick))]
     if not quick:
-        bench(cupy, rep)
+        steps.append(("bench", lambda: bench(cupy, rep)))
+    for name, step in steps:
+        # GPU time is scarce: one check's crash is reported and the others still run.
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - reported as a failed check, with its traceback
+            import traceback
+
+            traceback.print_exc()
+            rep.line(False, f"{name}: {type(e).__name__}: {e}")
     print(f"# {rep.failed} check(s) failed in {time.perf_counter() - t0:.0f} s: {'FAILED' if rep.failed else 'OK'}")
     sys.exit(1 if rep.failed else 0)
 
