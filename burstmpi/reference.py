@@ -12,7 +12,15 @@ import numpy as np
 from .interop import bfloat16
 from .masks import Window
 
-__all__ = ["visible", "forward", "backward", "rows", "key_rows", "random_problem"]
+__all__ = ["visible", "forward", "backward", "rows", "key_rows", "random_problem", "ATOL",
+           "flash_attn_rule"]
+
+# Slack on top of flash-attn's rule (our error <= 2 x a plain same-dtype implementation's
+# error, both against float64), as a few units in the last place of the dtype at the
+# reference's largest magnitude. It matters for float32/float64, where the plain error can
+# be tiny: our backward rebuilds P from the stored lse (as flash-attn does), and lse's own
+# rounding then shows up in sums like dv of an early key under a causal mask.
+ATOL = {"float64": 1e-13, "float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-3}
 
 
 def visible(qpos, kpos, causal=False, window=None):
@@ -170,6 +178,25 @@ def key_rows(q, k_rows, v_rows, dout, lse, delta, positions, *, causal=False, wi
         return x.reshape(B, Zkv, Z // Zkv, R, -1).sum(axis=2).transpose(0, 2, 1, 3)
 
     return fold(dk * scale), fold(dv)
+
+
+def flash_attn_rule(ours, exact, plain, dtype):
+    """flash-attn's test rule against the float64 ``exact``: the same non-finite entries,
+    equal infinities, and an error at most twice that of the ``plain`` same-dtype result
+    plus ``ATOL``. Returns (problem, error): ``problem`` is None when the rule holds, else
+    what broke it. Used by the test suite and by ``burstmpi-gpucheck``."""
+    ours, exact, plain = (np.asarray(x, dtype=np.float64) for x in (ours, exact, plain))
+    fin = np.isfinite(exact)
+    if not np.array_equal(np.isfinite(ours), fin):
+        return "non-finite values differ from the reference", float("inf")
+    if not np.array_equal(ours[~fin], exact[~fin]):
+        return "infinite values differ", float("inf")
+    err = float(np.abs(ours[fin] - exact[fin]).max(initial=0.0))
+    base = float(np.abs(plain[fin] - exact[fin]).max(initial=0.0))
+    atol = ATOL[dtype] * max(1.0, float(np.abs(exact[fin]).max(initial=0.0)))
+    if err > 2 * base + atol:
+        return f"({dtype}) error {err:.3e} > 2 x plain {base:.3e} + atol {atol:.1e}", err
+    return None, err
 
 
 def random_problem(B, N, Z, Zkv, d, dv=None, dtype=np.float32, seed=0):

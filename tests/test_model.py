@@ -1,6 +1,5 @@
 """The performance model: exact pair counts, the bytes algorithm.md gives, sane predictions."""
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
