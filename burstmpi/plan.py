@@ -307,9 +307,10 @@ class BurstAttention:
         """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
         from . import nccl
 
-        bus = cupy.cuda.Device(dev).pci_bus_id
-        shared = len(set(self.comm.allgather((MPI.Get_processor_name(), bus)))) < self.nranks
-        ok = all(self.comm.allgather(nccl.available()))
+        everyone = self.comm.allgather((MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
+                                        nccl.available()))
+        shared = len({(host, bus) for host, bus, _ in everyone}) < self.nranks
+        ok = all(has_nccl for _, _, has_nccl in everyone)
         if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
             return nccl.NCCLTransport(self.comm, dev, timeout_s=self._nccl_timeout)
         if self._cuda_aware:
