@@ -4,10 +4,10 @@ The sequence is split across the ranks of an MPI communicator; blocks travel aro
 ring while each rank computes its part of exact attention. See README.md.
 """
 
-from .api import attention, attention_backward, shard, unshard
+from .api import attention, attention_backward, shard, shard_indices, unshard
 from .plan import BurstAttention, PhaseStats, Stats
 
-__all__ = ["attention", "attention_backward", "shard", "unshard",
+__all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices",
            "BurstAttention", "PhaseStats", "Stats", "__version__"]
 
 __version__ = "0.1.0"

@@ -1,19 +1,20 @@
-"""The functional API: ``attention``, ``attention_backward``, ``shard``, ``unshard``."""
+"""The functional API: ``attention``, ``attention_backward``, ``shard``, ``unshard``,
+``shard_indices``."""
 
 import numpy as np
 from mpi4py import MPI
 
 from .comm import private_comm
 from .interop import like, to_host
-from .layout import LAYOUTS, layout_for
+from .layout import LAYOUTS, layout_of
 from .plan import BurstAttention
-from .validate import agree
+from .validate import agree, check_cu_seqlens, fingerprint, global_layout
 
-__all__ = ["attention", "attention_backward", "shard", "unshard"]
+__all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices"]
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None,
-              layout="contiguous", return_lse=False):
+              layout="contiguous", cu_seqlens=None, return_lse=False):
     """Exact softmax attention over a sequence spread across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own part of the sequence.
@@ -25,7 +26,9 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
         (grouped-query and multi-query attention without copying K/V).
     v : array (batch, seqlen_local, kv_heads, head_dim_v)
         Any DLPack producer (NumPy, PyTorch, JAX, ...), float16, bfloat16, float32 or
-        float64, all three of one dtype. Inputs are never modified.
+        float64, all three of one dtype. Inputs are never modified. ``seqlen_local`` is
+        what ``shard`` gives this rank: the global length (the sum over ranks) may be any
+        N >= 1, and a rank may hold no token when N is below the number of ranks.
     comm : mpi4py intracommunicator, default ``MPI.COMM_WORLD``
     causal : bool
         Global causal mask: the query at global position i sees keys j <= i.
@@ -35,6 +38,13 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     softmax_scale : float, default ``1/sqrt(head_dim)``
     layout : {"contiguous", "zigzag", "striped"}
         Which global positions each rank's rows hold (see ``shard``).
+    cu_seqlens : 1-D integer array, optional
+        Packed documents, flash-attn's convention: global offsets ``0 = c[0] <= c[1] <=
+        ... <= c[-1] = N``; document i is tokens ``c[i]:c[i+1]`` (empty documents are
+        allowed). The same on every rank and for every batch row. A query then sees a key
+        only inside its own document, combined with ``causal`` and ``window``. With
+        ``layout="zigzag"`` it also decides where tokens live: pass the same offsets to
+        ``shard``/``unshard``/``shard_indices``.
     return_lse : bool
         Also return the log-sum-exp of the scores.
 
@@ -46,73 +56,102 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
                           layout=layout)
-    out, lse = plan.forward(q, k, v)
+    out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, window=None,
-                       softmax_scale=None, layout="contiguous", bwd_comm="auto"):
+                       softmax_scale=None, layout="contiguous", cu_seqlens=None, bwd_comm="auto"):
     """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to this rank's q, k, v.
 
     ``out`` and ``lse`` are the forward's results (``return_lse=True``); the other
-    arguments must match the forward call. ``bwd_comm`` chooses what circulates:
-    "burst" (Q, dO, dQ), "ring" (K, V, dK, dV) or "auto" (fewer bytes). Gradients
-    are accumulated in float32 (float64 for float64 inputs) across every ring step and
-    returned in the dtype and kind of the inputs.
+    arguments (``cu_seqlens`` included) must match the forward call. ``bwd_comm`` chooses
+    what circulates: "burst" (Q, dO, dQ), "ring" (K, V, dK, dV) or "auto" (fewer bytes).
+    Gradients are accumulated in float32 (float64 for float64 inputs) across every ring
+    step and returned in the dtype and kind of the inputs.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
                           layout=layout, bwd_comm=bwd_comm)
-    return plan.backward(dout, q, k, v, out, lse)
+    return plan.backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens)
 
 
 def _comm(comm):
     return MPI.COMM_WORLD if comm is None else comm
 
 
-def shard(x, *, comm=None, layout="contiguous", axis=1):
-    """Return this rank's part of the global array ``x`` along ``axis``.
-
-    ``contiguous``: rank r takes chunk r of P; ``zigzag``: chunks r and 2P-1-r of 2P;
-    ``striped``: every P-th token from r. The length along ``axis`` must split evenly
-    (a clear error otherwise). Local; no communication.
-    """
-    comm = _comm(comm)
+def _check_layout(fn, layout):
     if layout not in LAYOUTS:
-        raise ValueError(f"shard: layout: expected one of {LAYOUTS}, got {layout!r}")
-    h = to_host(x, "x", "shard")
-    axis = _axis("shard", h, axis)
-    lay = layout_for(layout, comm.Get_size(), h.shape[axis], argname=f"shard: x.shape[{axis}]")
+        raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
+
+
+def shard_indices(n, *, comm=None, layout="contiguous", cu_seqlens=None):
+    """Global token indices this rank holds, in local order (int64, increasing).
+
+    For a global sequence of ``n`` tokens: use it to shard labels or build position ids
+    (RoPE) exactly as ``shard`` shards the inputs. Contiguous and striped split ``n`` as
+    evenly as possible (chunk sizes differ by at most one token, larger chunks first);
+    zigzag cuts 2P chunks, or with ``cu_seqlens`` zigzags each document of at least 2P
+    tokens and keeps shorter ones whole (see ``burstmpi.layout``). Local; no communication.
+    """
+    fn = "shard_indices"
+    _check_layout(fn, layout)
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{fn}: n: expected the global length, an integer >= 1, got {n!r}")
+    comm = _comm(comm)
+    cu = check_cu_seqlens(fn, cu_seqlens, int(n))
+    return layout_of(layout, comm.Get_size(), int(n), cu).positions(comm.Get_rank()).copy()
+
+
+def shard(x, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None):
+    """Return this rank's part of the global array ``x`` along ``axis``: the rows at
+    ``shard_indices(x.shape[axis], layout=..., cu_seqlens=...)``. Any length works.
+    Local; no communication."""
+    fn = "shard"
+    comm = _comm(comm)
+    _check_layout(fn, layout)
+    h = to_host(x, "x", fn)
+    axis = _axis(fn, h, axis)
+    if h.shape[axis] < 1:
+        raise ValueError(f"{fn}: x.shape[{axis}]: expected a global length >= 1, got 0")
+    cu = check_cu_seqlens(fn, cu_seqlens, h.shape[axis])
+    lay = layout_of(layout, comm.Get_size(), h.shape[axis], cu)
     part = np.take(h, lay.positions(comm.Get_rank()), axis=axis)
     return like(part, x)
 
 
-def unshard(x_local, *, comm=None, layout="contiguous", axis=1):
-    """Return the global array on every rank, from each rank's ``x_local``. Collective."""
-    user = _comm(comm)
-    comm = private_comm(user)
-    error, h = None, None
+def unshard(x_local, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None):
+    """Return the global array on every rank, from each rank's ``x_local`` (the inverse of
+    ``shard`` with the same ``layout`` and ``cu_seqlens``). Collective."""
+    fn = "unshard"
+    comm = private_comm(_comm(comm))
+    error, h, cu = None, None, None
     try:
-        if layout not in LAYOUTS:
-            raise ValueError(f"unshard: layout: expected one of {LAYOUTS}, got {layout!r}")
-        h = to_host(x_local, "x_local", "unshard")
-        axis = _axis("unshard", h, axis)
+        _check_layout(fn, layout)
+        h = to_host(x_local, "x_local", fn)
+        axis = _axis(fn, h, axis)
+        cu = check_cu_seqlens(fn, cu_seqlens)
     except (TypeError, ValueError) as e:
         error = e
-    sig = (("layout", layout), ("axis", axis),
-           ("x_local.shape", None if h is None else tuple(h.shape)),
-           ("x_local.dtype", None if h is None else str(h.dtype)))
-    agree(comm, "unshard", error, sig)
+    shape = None if h is None else tuple(None if i == axis else int(s) for i, s in enumerate(h.shape))
+    sig = (("layout", layout), ("axis", axis), ("x_local.shape (but the sequence axis)", shape),
+           ("x_local.dtype", None if h is None else str(h.dtype)), ("cu_seqlens", fingerprint(cu)))
+    length = 0 if h is None or not isinstance(axis, int) else h.shape[axis]
+    lengths = agree(comm, fn, error, sig, length)
     P = comm.Get_size()
-    lay = layout_for(layout, P, P * h.shape[axis], argname="unshard: x_local.shape")
+    lay = global_layout(fn, f"x_local.shape[{axis}]", layout, P, lengths, cu)
     mine = np.ascontiguousarray(np.moveaxis(h, axis, 0))
-    gathered = np.empty((P,) + mine.shape, dtype=mine.dtype)
-    comm.Allgather([mine.view(np.uint8), MPI.BYTE], [gathered.view(np.uint8), MPI.BYTE])
-    full = np.empty((P * mine.shape[0],) + mine.shape[1:], dtype=mine.dtype)
-    full[lay.all_positions()] = gathered.reshape(full.shape)
+    row = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.dtype.itemsize
+    counts = [int(n) * row for n in lengths]
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+    gathered = np.empty((lay.seqlen,) + mine.shape[1:], dtype=mine.dtype)
+    comm.Allgatherv([mine.view(np.uint8).reshape(-1), MPI.BYTE],
+                    [gathered.view(np.uint8).reshape(-1), (counts, displs), MPI.BYTE])
+    full = np.empty_like(gathered)
+    full[lay.all_positions()] = gathered
     return like(np.moveaxis(full, 0, axis), x_local)
 
 
 def _axis(fn, h, axis):
-    if not isinstance(axis, (int, np.integer)) or not -h.ndim <= axis < h.ndim:
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)) or not -h.ndim <= axis < h.ndim:
         raise ValueError(f"{fn}: axis: expected an integer in [{-h.ndim}, {h.ndim}), got {axis!r}")
     return int(axis) % h.ndim

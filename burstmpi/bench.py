@@ -34,7 +34,21 @@ per link, nccl-tests' sendrecv bus factor 1); "comp ms" is the time inside the l
 kernels and "exposed ms" the time spent waiting on transfers (both max over ranks), and
 "overlap" is comp / (comp + exposed): 1.00 means every transfer was hidden behind compute;
 "vs local" is the per-rank f+b TFLOP/s over that of the local kernel alone on one unmasked
-block of the same per-rank shape (the single-device rate the ring is measured against).
+block of the same per-rank shape, the largest rank's when lengths differ (the single-device
+rate the ring is measured against).
+
+With ``--docs SPEC`` every global length is packed with documents (``burstmpi.packing``:
+fixed:LEN, lognormal:MEAN, file:PATH) and attention stays inside each one. "docs" is the
+number of documents per row and "imbal" the load imbalance: the largest number of
+visible (query, key) pairs a rank computed in the forward over the mean (1.00 = every
+rank does the same work). Beside it the same documents run the way ring-attention peers
+force users to: each document padded to a multiple of 2P tokens and run as its own zigzag
+sequence, one after the other ("pad f+b" ms and "pad MB/rk", timed only, not checked);
+"pad tok x" is padded tokens over real ones and "vs padded" the padded way's f+b time over
+ours (above 1: we are faster).
+
+Every run's preamble names the CPU and its vector extensions (AVX2, AVX-512): NumPy's
+elementwise speed, and so every CPU figure, depends on them.
 
 Presets (``--preset``) reproduce published setups; regression mode (``--baseline``)
 compares with a stored JSON run and exits 3 when a configuration got slower than the
@@ -53,11 +67,11 @@ import click
 import numpy as np
 from mpi4py import MPI
 
-from . import __version__, reference, regress
-from .api import unshard
+from . import __version__, packing, reference, regress
+from .api import shard_indices, unshard
 from .interop import bfloat16
 from .layout import LAYOUTS
-from .masks import Window
+from .masks import Mask, Window
 from .plan import BurstAttention
 
 __all__ = ["main", "flops"]
@@ -86,12 +100,13 @@ COLUMNS = [
     ("algbw", "algbw", "GB/s", 7, ".3f"), ("busbw", "busbw", "GB/s", 7, ".3f"),
     ("compute_ms", "comp", "ms", 9, ".1f"), ("exposed_ms", "exposed", "ms", 8, ".1f"),
     ("overlap", "overlap", "", 7, ".2f"), ("vs_local", "vs", "local", 6, ".2f"),
-    ("steps_skipped", "skip", "steps", 5, "d"), ("peak_mb", "peak", "MB/rk", 7, ".0f"),
+    ("steps_skipped", "skip", "steps", 5, "d"), ("docs", "docs", "/row", 5, "d"),
+    ("imbalance", "imbal", "pairs", 5, ".2f"), ("peak_mb", "peak", "MB/rk", 7, ".0f"),
     ("wrong", "#wrong", "", 6, "d"),
 ]
 # The keys that identify a configuration (regression mode matches rows on them).
 CONFIG_KEYS = ("seqlen", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
-               "bwd_mode", "ranks")
+               "bwd_mode", "ranks", "docs_spec")
 
 # Published setups, so users can compare directly. Lengths are global; "per_rank" ones
 # scale with the number of ranks.
@@ -102,10 +117,17 @@ PRESETS = {
     # BurstEngine (Sun et al.): 40 heads, head dim 128, bf16, causal, 128K to 1M tokens.
     "burstengine": dict(heads=40, kv_heads=40, head_dim=128, dtype="bfloat16", mask="causal",
                         layout="zigzag", minseq=128 * 1024, maxseq=1024 * 1024, stepfactor=2),
+    # Packed pretraining documents: log-normal lengths of mean 4K, causal, 8 heads, d 128.
+    "varlen": dict(heads=8, kv_heads=8, head_dim=128, mask="causal", layout="zigzag",
+                   docs="lognormal:4096", minseq=16 * 1024, maxseq=32 * 1024, stepfactor=2),
 }
 MEMORY_COLUMNS = [
     ("fwd_operands_mb", "fwd", "oper MB", 8, ".0f"), ("fwd_traced_peak_mb", "fwd", "peak MB", 8, ".0f"),
     ("bwd_operands_mb", "bwd", "oper MB", 8, ".0f"), ("bwd_traced_peak_mb", "bwd", "peak MB", 8, ".0f"),
+]
+PADDED_COLUMNS = [
+    ("pad_fwdbwd_ms", "pad f+b", "ms", 9, ".1f"), ("pad_mb_sent", "pad", "MB/rk", 8, ".1f"),
+    ("pad_ratio", "pad", "tok x", 5, ".2f"), ("vs_padded", "vs", "padded", 6, ".2f"),
 ]
 TORCH_COLUMNS = [
     ("torch_fwd_tflops", "torch", "fwd TF/s", 8, ".3f"),
@@ -114,20 +136,17 @@ TORCH_COLUMNS = [
 ]
 
 
-def flops(batch, seqlen, heads, head_dim, causal, phase="fwd", window=None):
+def flops(batch, seqlen, heads, head_dim, causal, phase="fwd", window=None, cu_seqlens=None):
     """Attention FLOPs by flash-attn's convention (backward = 2.5 x forward).
 
-    Without a window: 4 B Z N^2 d, halved when causal. With a sliding window: 4 B Z d
+    Without a window or documents: 4 B Z N^2 d, halved when causal. Otherwise 4 B Z d
     times the number of visible (query, key) pairs.
     """
-    if window is None:
+    if window is None and cu_seqlens is None:
         f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
     else:
-        win = Window(causal, window)
-        i = np.arange(seqlen, dtype=np.int64)
-        pairs = (np.minimum(seqlen - 1, i + min(win.hi, seqlen))
-                 - np.maximum(0, i - min(win.lo, seqlen)) + 1).sum()
-        f = 4.0 * batch * heads * head_dim * float(pairs)
+        qb = Mask(Window(causal, window), seqlen, cu_seqlens).query_block(np.arange(seqlen))
+        f = 4.0 * batch * heads * head_dim * float((qb.last - qb.first + 1).sum())
     return {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}[phase]
 
 
@@ -154,6 +173,17 @@ def parse_window(ctx, param, value):
     except ValueError:
         raise click.BadParameter(f"expected LEFT,RIGHT (e.g. 256,0), got {value!r}")
     return (left, right)
+
+
+def _docs(spec):
+    """A --docs SPEC, checked (or None)."""
+    if spec is None:
+        return None
+    try:
+        packing.parse_docs(spec)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--docs")
+    return spec
 
 
 def _choices(value, allowed):
@@ -204,6 +234,25 @@ def _seqlens(minseq, maxseq, factor):
 
 def _np_dtype(name):
     return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def cpu_line():
+    """The CPU's model and vector extensions: NumPy's exp and every CPU figure depend on them."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ["avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
+    have = [f for f in wanted if f in flags]
+    return (f"#  CPU: {model}, {os.cpu_count()} cores visible; vector flags: {' '.join(have) or 'none found'}"
+            + ("" if "avx512f" in flags else " (no AVX-512)"))
 
 
 def _peak_mb():
@@ -271,26 +320,26 @@ def _time(comm, fn, dev=None):
     return time.perf_counter() - t0, result
 
 
-def _count_wrong(comm, cfg, local, out, lse, grads, window, positions):
+def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlens=None):
     """Values that miss float64 on sampled rows (summed over ranks).
 
     Query rows: out, lse and dq against an exact float64 forward and backward. Key rows:
     dk and dv against float64 given the forward's lse and out (checked just before), so
     a fault in the backward's ring shows up on its own.
     """
-    layout = cfg["layout"]
+    lay = dict(layout=cfg["layout"], cu_seqlens=cu_seqlens)
     q, k, v, do = local
     dq, dk, dv = grads
-    kg, vg = unshard(k, layout=layout), unshard(v, layout=layout)
-    qg, dog = unshard(q, layout=layout), unshard(do, layout=layout)
-    lse_g = unshard(lse, layout=layout, axis=2)
+    kg, vg = unshard(k, **lay), unshard(v, **lay)
+    qg, dog = unshard(q, **lay), unshard(do, **lay)
+    lse_g = unshard(lse, axis=2, **lay)
     delta = (np.asarray(do, np.float64) * np.asarray(out, np.float64)).sum(axis=-1).transpose(0, 2, 1)
-    delta_g = unshard(np.ascontiguousarray(delta), layout=layout, axis=2)
+    delta_g = unshard(np.ascontiguousarray(delta), axis=2, **lay)
     N = cfg["seqlen"]
     sample = np.unique(np.linspace(0, N - 1, min(CHECK_ROWS, N)).astype(np.int64))
     mine = np.nonzero(np.isin(positions, sample))[0]
     atol, rtol = TOLERANCE[cfg["dtype"]]
-    opts = dict(causal=bool(cfg["causal"]), window=window)
+    opts = dict(causal=bool(cfg["causal"]), window=window, cu_seqlens=cu_seqlens)
 
     def wrong(ours, ref):
         ours = np.asarray(ours, dtype=np.float64)
@@ -363,7 +412,7 @@ def _wall(fn, sync=lambda: None):
     return time.perf_counter() - t0
 
 
-def _footprint(comm, cfg, window, q, k, v, do):
+def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None):
     """Peak bytes of one forward and one backward on a fresh plan, inputs included.
 
     tracemalloc sees every NumPy allocation made while it runs; the inputs were made
@@ -373,11 +422,11 @@ def _footprint(comm, cfg, window, q, k, v, do):
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
                           bwd_comm=cfg["bwd_comm"])
     tracemalloc.start()
-    out, lse = plan.forward(q, k, v)
+    out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
     fwd_peak = tracemalloc.get_traced_memory()[1] + q.nbytes + k.nbytes + v.nbytes
     fwd_need = q.nbytes + k.nbytes + v.nbytes + out.nbytes + lse.nbytes + plan.buffer_bytes
     tracemalloc.reset_peak()
-    grads = plan.backward(do, q, k, v, out, lse)
+    grads = plan.backward(do, q, k, v, out, lse, cu_seqlens=cu_seqlens)
     bwd_peak = tracemalloc.get_traced_memory()[1] + do.nbytes + q.nbytes + k.nbytes + v.nbytes
     bwd_need = (do.nbytes + q.nbytes + k.nbytes + v.nbytes + out.nbytes + lse.nbytes
                 + sum(g.nbytes for g in grads) + plan.buffer_bytes)
@@ -389,7 +438,6 @@ def _footprint(comm, cfg, window, q, k, v, do):
 def _local_kernel_s(plan, q, k, v, do, iters, dev):
     """Seconds of the backend's local forward and backward on one unmasked block of this
     rank's own q against its own k, v: the single-device work one ring step does."""
-    from .masks import Window
     from .ring import _rows
 
     be, xp = plan.backend, plan.backend.xp
@@ -397,8 +445,8 @@ def _local_kernel_s(plan, q, k, v, do, iters, dev):
     Zkv, dv = k.shape[2], v.shape[3]
     g = Z // Zkv
     acc = be.acc_dtype(q.dtype)
-    pos = np.arange(C)
-    dense = Window()
+    dense = Mask(Window(), C)
+    qb, kb = dense.query_block(np.arange(C)), dense.key_block(np.arange(C))
     qr, dor = _rows(q, Zkv), _rows(do, Zkv)
     kr, vr = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     tf = tb = float("inf")
@@ -406,7 +454,7 @@ def _local_kernel_s(plan, q, k, v, do, iters, dev):
         state = be.fwd_state(B, Zkv, C, g, dv, acc)
         dev.sync()
         t0 = time.perf_counter()
-        be.fwd_block(qr, kr, vr, state, pos, pos, dense, plan.scale)
+        be.fwd_block(qr, kr, vr, state, qb, kb, plan.scale)
         dev.sync()
         tf = min(tf, time.perf_counter() - t0)
         out, lse = be.fwd_finalize(state, q.dtype)
@@ -414,35 +462,72 @@ def _local_kernel_s(plan, q, k, v, do, iters, dev):
         grads = [xp.zeros((B, Zkv, C, g, d), acc), xp.zeros((B, Zkv, C, d), acc), xp.zeros((B, Zkv, C, dv), acc)]
         dev.sync()
         t0 = time.perf_counter()
-        be.bwd_block(qr, dor, D, lse, kr, vr, *grads, pos, pos, dense, plan.scale)
+        be.bwd_block(qr, dor, D, lse, kr, vr, *grads, qb, kb, plan.scale)
         dev.sync()
         tb = min(tb, time.perf_counter() - t0)
     return tf, tb
 
 
-def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed,
-               trace_memory=False, dev=None, transport="auto"):
-    """Benchmark one configuration; return its row (identical on every rank)."""
-    dev = Device("numpy") if dev is None else dev
-    P, rank = comm.Get_size(), comm.Get_rank()
+def _inputs(cfg, C, seed, rank, dev):
+    """Random local q, k, v, dout of C rows (host copies, and where the run keeps them)."""
     B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    C = N // P
     rng = np.random.default_rng([seed, rank, N])
     dt = _np_dtype(cfg["dtype"])
     shapes = [(B, C, Z, d), (B, C, Zkv, d), (B, C, Zkv, d), (B, C, Z, d)]
     local = [rng.standard_normal(s, dtype=np.float32).astype(dt) for s in shapes]
-    q, k, v, do = (dev.put(x) for x in local)
-    plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
-                          bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                          transport=transport if dev.backend == "cuda" else "auto")
-    memory = _footprint(comm, cfg, window, q, k, v, do) if trace_memory else {}
+    return local, [dev.put(x) for x in local]
+
+
+def _iterations(comm, plan, arrays, iters, warmup, dev, cu_seqlens=None):
+    """Forward and backward ``warmup + iters`` times; the timed ones' seconds and the last
+    results."""
+    q, k, v, do = arrays
     tf, tb = [], []
     for i in range(warmup + iters):
-        a, (out, lse) = _time(comm, lambda: plan.forward(q, k, v), dev)
-        b, grads = _time(comm, lambda: plan.backward(do, q, k, v, out, lse), dev)
+        a, (out, lse) = _time(comm, lambda: plan.forward(q, k, v, cu_seqlens=cu_seqlens), dev)
+        b, grads = _time(comm, lambda: plan.backward(do, q, k, v, out, lse, cu_seqlens=cu_seqlens), dev)
         if i >= warmup:
             tf.append(a)
             tb.append(b)
+    return tf, tb, out, lse, grads
+
+
+def _padded_way(comm, cfg, cu_seqlens, *, iters, warmup, window, seed, dev, transport, red):
+    """The documents as peers run them: each padded to a multiple of 2P tokens and run as
+    its own zigzag sequence, one after another. Returns the row's padded-way columns."""
+    P = comm.Get_size()
+    lengths, padded = packing.padded_documents(cu_seqlens, P)
+    plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout="zigzag",
+                          bwd_comm=cfg["bwd_comm"], backend=dev.backend,
+                          transport=transport if dev.backend == "cuda" else "auto")
+    fb, sent = 0.0, 0
+    for n in padded:
+        _, arrays = _inputs(dict(cfg, seqlen=int(n)), int(n) // P, seed, comm.Get_rank(), dev)
+        tf, tb, *_ = _iterations(comm, plan, arrays, max(1, iters), warmup, dev)
+        fb += float(np.mean(tf)) + float(np.mean(tb))
+        sent += plan.last_stats.forward.bytes_sent + plan.last_stats.backward.bytes_sent
+    return dict(pad_fwdbwd_ms=1e3 * float(red(comm.allgather(fb))),
+                pad_mb_sent=comm.allreduce(sent, op=MPI.MAX) / 1e6,
+                pad_ratio=float(padded.sum()) / float(lengths.sum()))
+
+
+def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed,
+               trace_memory=False, dev=None, transport="auto", docs=None):
+    """Benchmark one configuration; return its row (identical on every rank). ``docs``
+    (a ``--docs`` SPEC) packs each sequence with documents."""
+    dev = Device("numpy") if dev is None else dev
+    P, rank = comm.Get_size(), comm.Get_rank()
+    B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    cu = None if docs is None else packing.pack(docs, N, seed)
+    positions = shard_indices(N, comm=comm, layout=cfg["layout"], cu_seqlens=cu)
+    C = len(positions)
+    local, arrays = _inputs(cfg, C, seed, rank, dev)
+    q, k, v, do = arrays
+    plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
+                          bwd_comm=cfg["bwd_comm"], backend=dev.backend,
+                          transport=transport if dev.backend == "cuda" else "auto")
+    memory = _footprint(comm, cfg, window, q, k, v, do, cu) if trace_memory else {}
+    tf, tb, out, lse, grads = _iterations(comm, plan, arrays, iters, warmup, dev, cu)
     st = plan.last_stats
     name, red = REDUCE[reduce]
     all_f = comm.allgather(float(np.mean(tf)))
@@ -451,15 +536,17 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     tf_s, tb_s = float(red(all_f)), float(red(all_b))
     fb_s = float(red(all_fb))
     comm.Barrier()
-    lf, lb = _local_kernel_s(plan, q, k, v, do, max(1, iters // 2), dev)
-    lf, lb = comm.allreduce(lf, op=MPI.MAX), comm.allreduce(lb, op=MPI.MAX)
+    # The single-device reference: the largest rank's block (what the slowest step costs).
+    lf, lb = _local_kernel_s(plan, q, k, v, do, max(1, iters // 2), dev) if C else (0.0, 0.0)
+    Cl, lf, lb = max(comm.allgather((C, lf, lb)), key=lambda x: x[0])
     compute = comm.allreduce(st.forward.compute_s + st.backward.compute_s, op=MPI.MAX)
     exposed = comm.allreduce(st.forward.wait_s + st.backward.wait_s, op=MPI.MAX)
     sent = comm.allreduce(st.forward.bytes_sent + st.backward.bytes_sent, op=MPI.MAX)
     row = dict(cfg)
     row.pop("bwd_comm")
-    fl = {phase: flops(B, N, Z, d, cfg["causal"], phase, window) for phase in ("fwd", "bwd", "fwdbwd")}
-    local_rate = 3.5 * 4.0 * B * Z * C * C * d / (lf + lb)  # dense C x C block, fwd + bwd
+    fl = {phase: flops(B, N, Z, d, cfg["causal"], phase, window, cu) for phase in ("fwd", "bwd", "fwdbwd")}
+    pairs = comm.allgather(st.forward.pairs)
+    local_rate = 3.5 * 4.0 * B * Z * Cl * Cl * d / (lf + lb)  # dense Cl x Cl block, fwd + bwd
     row.update(
         bwd_mode=st.bwd_mode, ranks=P, backend=st.backend, transport=st.transport,
         fwd_ms=1e3 * tf_s, bwd_ms=1e3 * tb_s, fwdbwd_ms=1e3 * fb_s,
@@ -480,6 +567,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         fwd_wait_ms=1e3 * comm.allreduce(st.forward.wait_s, op=MPI.MAX),
         bwd_wait_ms=1e3 * comm.allreduce(st.backward.wait_s, op=MPI.MAX),
         peak_mb=comm.allreduce(dev.peak_mb(), op=MPI.MAX),
+        docs_spec=docs or "", docs=0 if cu is None else int(np.count_nonzero(np.diff(cu))),
+        imbalance=max(pairs) / float(np.mean(pairs)) if np.mean(pairs) > 0 else 1.0,
         wrong=-1,
     )
     row["fwdbwd_tflops_all"] = row["fwdbwd_tflops"] * P
@@ -487,7 +576,11 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     row.update(memory)
     if check:
         row["wrong"] = _count_wrong(comm, row, local, dev.host(out), dev.host(lse),
-                                    [dev.host(g) for g in grads], window, plan.layout.positions(rank))
+                                    [dev.host(g) for g in grads], window, positions, cu)
+    if cu is not None:
+        row.update(_padded_way(comm, cfg, cu, iters=iters, warmup=warmup, window=window, seed=seed,
+                               dev=dev, transport=transport, red=red))
+        row["vs_padded"] = row["pad_fwdbwd_ms"] / row["fwdbwd_ms"]
     if use_torch:
         t_f, t_fb = _torch_times(comm, row, local, iters, gpu=dev.backend == "cuda")
         t_f, t_fb = comm.bcast((t_f, t_fb), root=0)
@@ -552,6 +645,9 @@ def _header(columns):
 @click.option("-m", "--mask", default="both", show_default=True, type=click.Choice(["none", "causal", "both"]))
 @click.option("-l", "--layout", default="zigzag", show_default=True, type=click.Choice(list(LAYOUTS) + ["all"]))
 @click.option("--window", default=None, callback=parse_window, help="Sliding window LEFT,RIGHT (-1 = unbounded).")
+@click.option("--docs", default=None, callback=lambda ctx, p, v: None if v is None else _docs(v),
+              help="Pack each sequence with documents: fixed:LEN, lognormal:MEAN (seeded) or file:PATH "
+                   "(one length per line); also times the padded-per-document way.")
 @click.option("--bwd", "bwd_comm", default="auto", show_default=True,
               type=click.Choice(["auto", "burst", "ring", "all"]),
               help="Backward communication mode; all = burst and ring side by side.")
@@ -567,7 +663,8 @@ def _header(columns):
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
               help="A published setup (explicit flags still win): ring-flash-attn = 32/8 heads, "
                    "d 128, bf16, causal zigzag, 8K tokens per rank; burstengine = 40 heads, d 128, "
-                   "bf16, causal, 128K..1M tokens.")
+                   "bf16, causal, 128K..1M tokens; varlen = packed lognormal:4096 documents, causal "
+                   "zigzag, 8 heads, d 128, 16K..32K tokens.")
 @click.option("--baseline", type=click.Path(dir_okay=False), default=None,
               help="Regression mode: compare with this -J file; exit 3 if a configuration is slower "
                    "than --tolerance allows.")
@@ -578,7 +675,7 @@ def _header(columns):
               help="Progress lines on stderr (rank 0); default: on for sweeps of several rows.")
 @click.pass_context
 def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_path, batch, heads,
-         kv_heads, head_dim, mask, layout, window, bwd_comm, use_torch, trace_memory, seed, backend,
+         kv_heads, head_dim, mask, layout, window, docs, bwd_comm, use_torch, trace_memory, seed, backend,
          transport, preset, baseline, tolerance, junit_path, progress):
     """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
     comm = MPI.COMM_WORLD
@@ -590,17 +687,17 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
         if per_rank is not None:
             ps.update(minseq=per_rank * P, maxseq=per_rank * P)
         values = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, heads=heads, kv_heads=kv_heads,
-                      head_dim=head_dim, dtype=dtype, mask=mask, layout=layout)
+                      head_dim=head_dim, dtype=dtype, mask=mask, layout=layout, docs=docs)
         values.update({k: v for k, v in ps.items() if not given(k)})
         minseq, maxseq, stepfactor = values["minseq"], values["maxseq"], values["stepfactor"]
         heads, kv_heads, head_dim = values["heads"], values["kv_heads"], values["head_dim"]
-        dtype, mask, layout = values["dtype"], values["mask"], values["layout"]
+        dtype, mask, layout, docs = values["dtype"], values["mask"], values["layout"], _docs(values["docs"])
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise click.BadParameter(f"--kv-heads must divide --heads ({heads}), got {kv_heads}")
     if use_torch:
-        if window is not None:
-            raise click.UsageError("--torch compares dense or causal attention only; drop --window")
+        if window is not None or docs is not None:
+            raise click.UsageError("--torch compares dense or causal attention only; drop --window and --docs")
         try:
             import torch  # noqa: F401
         except ImportError:
@@ -613,14 +710,10 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
                for c in causals
                for lay in _choices(layout, LAYOUTS)
                for bw in _choices(bwd_comm, ["burst", "ring"])]  # "all": both modes, side by side
-    parts = {cfg["seqlen"] % (2 * P if cfg["layout"] == "zigzag" else P) for cfg in configs}
-    if parts != {0}:
-        raise click.BadParameter(f"every sequence length must split into equal chunks over {P} ranks "
-                                 f"(2 x {P} for zigzag)")
     params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=iters, warmup=warmup,
                   check=check, dtype=dtype, average=REDUCE[reduce][0], batch=batch, heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
-                  window=window, bwd=bwd_comm, torch=use_torch, trace_memory=trace_memory, seed=seed,
+                  window=window, docs=docs, bwd=bwd_comm, torch=use_torch, trace_memory=trace_memory, seed=seed,
                   preset=preset, baseline=baseline, tolerance=tolerance if baseline else None)
     base_rows = None
     if baseline is not None:
@@ -646,20 +739,22 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
     _say(comm, f"# burstmpi-bench {__version__}: backend {dev.backend}, {P} rank(s), "
                f"{MPI.Get_library_version().splitlines()[0].strip()}",
          "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
-         threads_line,
+         threads_line, cpu_line(),
          *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
            if who else []),
          "#")
-    columns = COLUMNS + (MEMORY_COLUMNS if trace_memory else []) + (TORCH_COLUMNS if use_torch else [])
+    columns = (COLUMNS + (MEMORY_COLUMNS if trace_memory else []) + (PADDED_COLUMNS if docs else [])
+               + (TORCH_COLUMNS if use_torch else []))
     _say(comm, *_header(columns))
     rows, t_start = [], time.perf_counter()
-    work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window)
+    work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window,
+                  None if docs is None else packing.pack(docs, c["seqlen"], seed))
             for c in configs]
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
         row = run_config(comm, cfg, iters=iters, warmup=warmup, check=check, reduce=reduce,
                          window=window, use_torch=use_torch, seed=seed, trace_memory=trace_memory,
-                         dev=dev, transport=transport)
+                         dev=dev, transport=transport, docs=docs)
         rows.append(row)
         _say(comm, _format(columns, row))
         if show_progress:

@@ -9,7 +9,7 @@ words and is reinterpreted on the other side (ml_dtypes provides NumPy's bfloat1
 
 import numpy as np
 
-__all__ = ["bfloat16", "to_host", "to_device", "like", "is_host", "cupyx_pinned"]
+__all__ = ["bfloat16", "to_host", "to_numpy", "to_device", "like", "is_host", "cupyx_pinned"]
 
 try:
     from ml_dtypes import bfloat16
@@ -55,6 +55,22 @@ def to_host(x, name, fn):
     except (BufferError, TypeError, RuntimeError, AttributeError):
         pass
     return np.asarray(x)
+
+
+def to_numpy(x, name, fn):
+    """A NumPy array of a small argument (document offsets) wherever it lives: host
+    arrays as ``to_host`` gives them, GPU arrays copied to the host, lists and tuples
+    converted. The plan needs such arguments on the host to lay the ring out."""
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x)
+    if is_host(x):
+        return to_host(x, name, fn)
+    get = getattr(x, "get", None)  # CuPy
+    if get is not None:
+        return np.asarray(get())
+    if _is_torch(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)  # JAX and other array-API producers copy to the host
 
 
 def to_device(x, name, fn, cupy):

@@ -1,30 +1,46 @@
-"""Causal and sliding-window masks on global positions.
+"""Which keys each query sees: sliding windows and causality on global positions, inside
+packed documents.
 
-The convention is flash-attn's: a query at global position i sees the keys j with
-``i - left <= j <= i + right``; -1 means unbounded on that side, and ``causal=True``
-is the window (left, 0). Internally a window is a pair of non-negative bounds
-``(lo, hi)`` with ``UNBOUNDED`` standing in for -1.
+The window convention is flash-attn's: a query at global position i sees the keys j with
+``i - left <= j <= i + right``; -1 means unbounded on that side, and ``causal=True`` is the
+window (left, 0). Internally a window is a pair of non-negative bounds ``(lo, hi)`` with
+``UNBOUNDED`` standing in for -1. Documents (``cu_seqlens``, flash-attn's varlen offsets)
+cut the sequence further: a query sees a key only inside its own document.
 
-Three questions are asked of positions, at three granularities:
+Every mask burstmpi supports is therefore an *interval* per query: query i sees exactly
+the keys in ``[first(i), last(i)]`` with
 
-* ``ranks_interact``: does any query of one rank see any key of another? Decides
-  whether a whole ring step (and possibly its transfer) can be skipped. Exact.
-* ``classify_tiles``: is each (query tile, key tile) pair empty, full or partial? A sound
-  answer from the tiles' extreme positions; "partial" is always safe.
+    first(i) = max(i - lo, start of i's document),   last(i) = min(i + hi, end of i's document - 1)
+
+and both ends are non-decreasing in i. Symmetrically key j is seen by the queries in
+``[max(j - hi, start), min(j + lo, end - 1)]``. That one fact carries everything below:
+the per-element test is two comparisons, and because every block's positions increase
+along its rows, a tile's extreme rows bound the whole tile (``classify_tiles``). The
+kernels in ``cuda/`` receive the same per-row intervals, so windows and documents are
+one mechanism there too.
+
+Three questions are asked, at three granularities:
+
+* ``schedule.pair_matrix``: how many (query, key) pairs of two ranks are visible? Zero
+  means a whole ring step (and possibly its transfer) is skipped. Exact.
+* ``classify_tiles``: is each (query tile, key tile) pair empty, full or partial? FULL is
+  exact; EMPTY is sound ("partial" is always safe, only slower).
 * ``tile_mask``: the exact boolean mask of a partial tile.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
-__all__ = ["UNBOUNDED", "EMPTY", "FULL", "PARTIAL", "Window",
-           "ranks_interact", "classify_tiles", "tile_mask"]
+__all__ = ["UNBOUNDED", "EMPTY", "FULL", "PARTIAL", "Window", "Mask", "Block",
+           "classify_tiles", "tile_mask", "count_visible"]
 
 UNBOUNDED = 1 << 62
 EMPTY, FULL, PARTIAL = 0, 1, 2
 
 
 class Window:
-    """Normalised mask bounds: key j is visible from query i iff i-lo <= j <= i+hi."""
+    """Normalised window bounds: key j is visible from query i iff i-lo <= j <= i+hi."""
 
     def __init__(self, causal=False, window=None):
         left, right = (-1, -1) if window is None else window
@@ -45,50 +61,95 @@ class Window:
         win.dense = lo == UNBOUNDED and hi == UNBOUNDED
         return win
 
-
-def _runs_interact(qrun, krun, win):
-    (qs, qstep, qn), (ks, kstep, kn) = qrun, krun
-    qlast, klast = qs + qstep * (qn - 1), ks + kstep * (kn - 1)
-    # Hull test first: disjoint hulls never interact.
-    if klast < qs - win.lo or ks > qlast + win.hi:
-        return False
-    if qstep == 1:
-        # The union of the query windows is the contiguous range [qs-lo, qlast+hi],
-        # so the runs interact iff some key falls inside it.
-        a, b = qs - win.lo, qlast + win.hi
-        first = max(0, -(-(a - ks) // kstep))  # first key index with position >= a
-        return first < kn and ks + kstep * first <= b
-    q = np.arange(qs, qlast + 1, qstep, dtype=np.int64)
-    k = np.arange(ks, klast + 1, kstep, dtype=np.int64)
-    lo_idx = np.searchsorted(k, q - min(win.lo, 1 << 40), side="left")
-    hi_idx = np.searchsorted(k, q + min(win.hi, 1 << 40), side="right")
-    return bool(np.any(hi_idx > lo_idx))
+    def __repr__(self):
+        side = lambda b: -1 if b == UNBOUNDED else b
+        return f"Window(lo={side(self.lo)}, hi={side(self.hi)})"
 
 
-def ranks_interact(layout, qrank, krank, win):
-    """True iff some query of ``qrank`` sees some key of ``krank`` under ``win``."""
-    if win.dense:
-        return True
-    return any(_runs_interact(qr, kr, win)
-               for qr in layout.segments(qrank) for kr in layout.segments(krank))
+class Block(NamedTuple):
+    """The rows of one block as the mask sees them (int64 arrays of equal length).
+
+    ``pos`` are the rows' global positions, increasing; ``first``/``last`` bound the
+    positions the rows see on the other side: keys for a query block, queries for a
+    key block."""
+    pos: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
 
 
-def classify_tiles(qmin, qmax, kmin, kmax, win):
-    """EMPTY, FULL or PARTIAL for every (query tile, key tile) pair (sound).
+class Mask:
+    """A window on global positions of a sequence of ``seqlen`` tokens, restricted to
+    documents when ``cu_seqlens`` (validated offsets, 0 .. seqlen) is given."""
 
-    Takes each tile's extreme positions (1-D arrays) and returns an int array of shape
-    (query tiles, key tiles). Disjoint hulls are EMPTY; a pair whose farthest keys are
-    all inside every query's window is FULL; anything else is PARTIAL.
+    def __init__(self, window, seqlen, cu_seqlens=None):
+        self.window, self.seqlen = window, int(seqlen)
+        self.cu_seqlens = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
+        # A pack of one document is no pack: the window alone says it all.
+        if self.cu_seqlens is not None and np.count_nonzero(np.diff(self.cu_seqlens)) <= 1:
+            self.cu_seqlens = None
+        self.dense = window.dense and self.cu_seqlens is None
+
+    def _doc_range(self, pos):
+        """(start, end) of the document holding each position: [0, seqlen) without documents."""
+        if self.cu_seqlens is None:
+            return 0, self.seqlen
+        # side="right" skips empty documents (repeated offsets): the last offset <= pos
+        # starts the document that really holds pos.
+        doc = np.searchsorted(self.cu_seqlens, pos, side="right") - 1
+        return self.cu_seqlens[doc], self.cu_seqlens[doc + 1]
+
+    def _bounds(self, pos, before, after):
+        pos = np.asarray(pos, dtype=np.int64)
+        start, end = self._doc_range(pos)
+        return (np.maximum(pos - min(before, self.seqlen), start),
+                np.minimum(pos + min(after, self.seqlen), end - 1))
+
+    def query_block(self, pos):
+        """A query block: each row sees the keys in [first, last]."""
+        pos = np.asarray(pos, dtype=np.int64)
+        return Block(pos, *self._bounds(pos, self.window.lo, self.window.hi))
+
+    def key_block(self, pos):
+        """A key block: each row is seen by the queries in [first, last]."""
+        pos = np.asarray(pos, dtype=np.int64)
+        return Block(pos, *self._bounds(pos, self.window.hi, self.window.lo))
+
+    def visible(self, qpos, kpos):
+        """Boolean (len(qpos), len(kpos)) mask of visible pairs (quadratic: tests only)."""
+        qb = self.query_block(qpos)
+        return tile_mask(qb.first, qb.last, np.asarray(kpos, dtype=np.int64))
+
+
+def count_visible(qblock, kpos):
+    """Visible pairs between a query block and the keys at sorted positions ``kpos``."""
+    if len(qblock.pos) == 0 or len(kpos) == 0:
+        return 0
+    n = (np.searchsorted(kpos, qblock.last, side="right")
+         - np.searchsorted(kpos, qblock.first, side="left"))
+    return int(np.maximum(n, 0).sum())
+
+
+def classify_tiles(first_lo, first_hi, last_lo, last_hi, kmin, kmax):
+    """EMPTY, FULL or PARTIAL for every (row tile, column tile) pair.
+
+    Row tiles are given by the interval ends of their first and last rows (``first_lo``
+    = first[row0], ``first_hi`` = first[row_last], likewise ``last``), column tiles by
+    their extreme positions; all 1-D arrays. Since ``first`` and ``last`` never decrease
+    along the rows, a tile is FULL iff its first row's ``last`` and its last row's
+    ``first`` contain every column (exact), and EMPTY when every column lies before the
+    first row's ``first`` or after the last row's ``last`` (sound). Returns an int8 array
+    of shape (row tiles, column tiles).
     """
-    qmin, qmax = np.asarray(qmin)[:, None], np.asarray(qmax)[:, None]
+    first_lo, first_hi = np.asarray(first_lo)[:, None], np.asarray(first_hi)[:, None]
+    last_lo, last_hi = np.asarray(last_lo)[:, None], np.asarray(last_hi)[:, None]
     kmin, kmax = np.asarray(kmin)[None, :], np.asarray(kmax)[None, :]
-    cls = np.full(np.broadcast_shapes(qmin.shape, kmin.shape), PARTIAL, dtype=np.int8)
-    cls[(kmin >= qmax - win.lo) & (kmax <= qmin + win.hi)] = FULL
-    cls[(kmin > qmax + win.hi) | (kmax < qmin - win.lo)] = EMPTY
+    cls = np.full(np.broadcast_shapes(first_lo.shape, kmin.shape), PARTIAL, dtype=np.int8)
+    cls[(kmin >= first_hi) & (kmax <= last_lo)] = FULL
+    cls[(kmax < first_lo) | (kmin > last_hi)] = EMPTY
     return cls
 
 
-def tile_mask(qpos, kpos, win):
-    """Boolean (len(qpos), len(kpos)) mask of visible pairs."""
-    d = kpos[None, :] - qpos[:, None]
-    return (d >= -win.lo) & (d <= win.hi)
+def tile_mask(first, last, cols):
+    """Boolean (len(first), len(cols)) mask: row i sees column j iff first[i] <= cols[j] <= last[i]."""
+    c = np.asarray(cols)[None, :]
+    return (c >= np.asarray(first)[:, None]) & (c <= np.asarray(last)[:, None])

@@ -28,8 +28,8 @@ import numpy as np
 from . import ring
 from .comm import Channel, PartialChannel
 from .layout import LAYOUTS, Layout
-from .masks import Window
-from .schedule import Schedule, interaction_matrix
+from .masks import Mask, Window, count_visible
+from .schedule import Schedule, pair_matrix
 
 __all__ = ["Machine", "MACHINES", "visible_pairs", "predict", "recommend"]
 
@@ -57,20 +57,10 @@ MACHINES = {
 }
 
 
-def _run_pairs(qrun, krun, lo, hi):
-    """Visible pairs between two arithmetic runs of positions (start, step, count)."""
-    (qs, qst, qn), (ks, kst, kn) = qrun, krun
-    lo, hi = min(lo, 1 << 40), min(hi, 1 << 40)
-    i = qs + qst * np.arange(qn, dtype=np.int64)
-    first = np.maximum(0, -(-(i - lo - ks) // kst))  # ceil((i - lo - ks) / kst)
-    last = np.minimum(kn - 1, (i + hi - ks) // kst)
-    return int(np.maximum(0, last - first + 1).sum())
-
-
 def visible_pairs(layout, holder, owner, win):
     """(query, key) pairs of holder's queries and owner's keys that the mask lets through."""
-    return sum(_run_pairs(qr, kr, win.lo, win.hi)
-               for qr in layout.segments(holder) for kr in layout.segments(owner))
+    qb = Mask(win, layout.seqlen).query_block(layout.positions(holder))
+    return count_visible(qb, layout.positions(owner))
 
 
 @dataclass
@@ -90,7 +80,7 @@ def _phase(shape, machine, P, layout, mode, pairs, needs):
     """Lockstep simulation of one phase: (time, compute, exposed, bytes sent) per rank."""
     B, N, Z, Zkv, d, dv = (shape.batch, shape.seqlen, shape.heads, shape.kv_heads, shape.head_dim,
                            shape.head_dim_v)
-    C = N // P
+    C = -(-N // P)  # packets are sized for the largest block
     dt = np.float16 if shape.dtype_bytes == 2 else np.float32 if shape.dtype_bytes == 4 else np.float64
     acc = np.float64 if shape.dtype_bytes == 8 else np.float32
     dims = (B, C, Z, Zkv, d, dv)
@@ -128,13 +118,10 @@ def _phase(shape, machine, P, layout, mode, pairs, needs):
 
 def predict(shape, machine, P, layout, bwd_mode):
     """Predicted times (s), exposed communication, bytes and memory of one configuration."""
-    if shape.seqlen % (2 * P if layout == "zigzag" else P):
-        raise ValueError(f"seqlen {shape.seqlen} does not split into equal chunks over {P} ranks ({layout})")
-    C = shape.seqlen // P
-    lay = Layout(layout, P, C)
-    win = Window(shape.causal, shape.window)
-    needs = interaction_matrix(lay, win)
-    pairs = [[visible_pairs(lay, h, o, win) if needs[h, o] else 0 for o in range(P)] for h in range(P)]
+    lay = Layout(layout, P, shape.seqlen)
+    C = lay.max_count
+    pairs = pair_matrix(lay, Mask(Window(shape.causal, shape.window), shape.seqlen))
+    needs = pairs > 0
     f = _phase(shape, machine, P, layout, "forward", pairs, needs)
     b = _phase(shape, machine, P, layout, bwd_mode, pairs, needs)
     B, Z, Zkv, d, dv, e = (shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.head_dim_v,
@@ -165,8 +152,6 @@ def recommend(shape, machine, P, layouts=LAYOUTS, modes=("burst", "ring")):
     """All (layout, mode) predictions, fastest first."""
     rows = []
     for layout in layouts:
-        if shape.seqlen % (2 * P if layout == "zigzag" else P):
-            continue
         for mode in modes:
             rows.append(predict(shape, machine, P, layout, mode))
     return sorted(rows, key=lambda r: r["fwdbwd_ms"])
@@ -235,7 +220,7 @@ def check(files, intra_gbps, latency_us):
             data = json.load(fh)
         for r in data["rows"]:
             P, N, B, Z, d = r["ranks"], r["seqlen"], r["batch"], r["heads"], r["head_dim"]
-            C = N // P
+            C = -(-N // P)  # the local kernel ran on the largest rank's block
             dense = 4.0 * B * Z * C * C * d
             m = Machine("measured", fwd_tflops=dense / (r["local_fwd_ms"] * 1e-3) / 1e12,
                         bwd_tflops=2.5 * dense / (r["local_bwd_ms"] * 1e-3) / 1e12,

@@ -1,6 +1,5 @@
 """``BurstAttention``: a reusable plan that owns its ring buffers and reports what it did."""
 
-import functools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -15,11 +14,12 @@ from .backends.cupy_backend import CupyBackend
 from .comm import MPITransport, StagedMPITransport, private_comm
 from .config import settings
 from .device import abort_on_device_error, import_cupy, node_rank, pick_device
+from .geometry import geometry
 from .interop import cupyx_pinned, is_host, like, to_device, to_host
-from .layout import Layout
 from .masks import Window
-from .schedule import Schedule, interaction_matrix
-from .validate import agree, check_backward, check_forward, check_options
+from .schedule import Schedule
+from .validate import (agree, check_backward, check_cu_seqlens, check_forward, check_options,
+                       fingerprint, global_layout)
 
 __all__ = ["BurstAttention", "PhaseStats", "Stats"]
 
@@ -30,7 +30,9 @@ class PhaseStats:
 
     ``bytes_sent``/``bytes_recv`` count payload bytes this rank moved;
     ``steps_computed + steps_skipped`` is the number of ranks; ``direction`` is +1 when
-    packets go to rank+1. ``compute_s`` is time inside local kernels and ``wait_s`` the
+    packets go to rank+1. ``pairs`` counts the visible (query token, key token) pairs of
+    the steps this rank computed (times batch and heads for the work done; compare ranks
+    to measure imbalance). ``compute_s`` is time inside local kernels and ``wait_s`` the
     exposed communication (time blocked on transfers); ``wall_s`` covers the whole phase.
     """
 
@@ -38,6 +40,7 @@ class PhaseStats:
     bytes_recv: int = 0
     steps_computed: int = 0
     steps_skipped: int = 0
+    pairs: int = 0
     direction: int = 1
     wall_s: float = 0.0
     compute_s: float = 0.0
@@ -60,12 +63,6 @@ class Stats:
 
     def as_dict(self):
         return asdict(self)
-
-
-@functools.lru_cache(maxsize=64)
-def _interactions(layout_name, nranks, seqlen_local, lo, hi):
-    """The (cached) rank interaction matrix; the schedule of every phase derives from it."""
-    return interaction_matrix(Layout(layout_name, nranks, seqlen_local), Window.from_bounds(lo, hi))
 
 
 def _kernel_ready(xp, a):
@@ -106,9 +103,10 @@ class BurstAttention:
     device : int, optional
         The CUDA device of this rank; default: node-local rank modulo the visible GPUs.
 
-    ``forward(q, k, v)`` returns ``(out, lse)`` and ``backward(dout, q, k, v, out, lse)``
-    returns ``(dq, dk, dv)``; see ``burstmpi.attention`` for shapes. Both are
-    collective over ``comm``. Double buffers are allocated on first use and kept for
+    ``forward(q, k, v, cu_seqlens=None)`` returns ``(out, lse)`` and ``backward(dout, q, k,
+    v, out, lse, cu_seqlens=None)`` returns ``(dq, dk, dv)``; see ``burstmpi.attention``
+    for shapes and documents (``cu_seqlens`` is per call: it changes with every batch).
+    Both are collective over ``comm``. Double buffers are allocated on first use and kept for
     calls of the same shapes; ``release()`` frees them.
     """
 
@@ -146,20 +144,8 @@ class BurstAttention:
 
     # -- plumbing shared with burstmpi.ring ---------------------------------------------
 
-    def needs(self, mode):
-        """needs[holder, owner]: does the holder compute with the owner's packet?
-
-        The forward and "ring" bring keys to the holder's queries; "burst" brings
-        queries to the holder's keys, so it reads the interaction matrix transposed.
-        """
-        if self.window.dense:
-            return np.ones((self.nranks, self.nranks), dtype=bool)
-        w = self.window
-        a = _interactions(self.layout_name, self.nranks, self.layout.seqlen_local, w.lo, w.hi)
-        return a.T if mode == "burst" else a
-
     def schedule(self, mode, packet_bytes, partial_bytes):
-        return Schedule(self.needs(mode), self.rank, packet_bytes, partial_bytes)
+        return Schedule(self.geometry.needs(mode), self.rank, packet_bytes, partial_bytes)
 
     def channels(self, phase, direction, specs):
         """The channels of one phase, built on the plan's buffer arena.
@@ -201,13 +187,17 @@ class BurstAttention:
         """Bytes of ring buffers this plan holds (the double buffers and partials)."""
         return 0 if self._arena is None else int(self._arena.nbytes)
 
-    @staticmethod
-    def phase_stats(sched, chan, part, timer, t_start):
+    def phase_stats(self, mode, sched, chan, part, timer, t_start):
         chans = [c for c in (chan, part) if c is not None]
+        geo = self.geometry
+        # The holder's pairs with each packet it computed on: its queries against the
+        # owner's keys, or (burst) the owner's queries against its keys.
+        pairs = sum(int(geo.pairs[o, self.rank] if mode == "burst" else geo.pairs[self.rank, o])
+                    for o, c in zip(sched.owners, sched.compute) if c)
         return PhaseStats(bytes_sent=sum(c.bytes_sent for c in chans),
                           bytes_recv=sum(c.bytes_recv for c in chans),
                           steps_computed=sched.steps_computed, steps_skipped=sched.steps_skipped,
-                          direction=sched.direction, wall_s=time.perf_counter() - t_start,
+                          pairs=pairs, direction=sched.direction, wall_s=time.perf_counter() - t_start,
                           compute_s=timer.compute, wait_s=timer.wait)
 
     def _finish(self):
@@ -238,9 +228,13 @@ class BurstAttention:
             return self.backend_name
         return "numpy" if all(is_host(a) for a in arrays.values()) else "cuda"
 
-    def _prepare(self, fn, arrays, check):
-        """Convert and check the arguments, agree across ranks, set up per-shape state."""
-        error, conv, dims = None, None, None
+    def _prepare(self, fn, arrays, check, cu_seqlens):
+        """Convert and check the arguments, agree across ranks, set up per-shape state.
+
+        One collective (``agree``) compares every rank's arguments and tells each the
+        others' local lengths; from those every rank derives the same global layout (or
+        raises the same error)."""
+        error, conv, dims, cu = None, None, None, None
         kind = self._kind(arrays)
         if getattr(self.backend, "name", None) != kind:
             # A first call, or a switch between host and GPU: agree on where to run before
@@ -257,14 +251,23 @@ class BurstAttention:
             else:
                 conv = {name: to_host(a, name, fn) for name, a in arrays.items()}
             dims = check(conv)
+            cu = check_cu_seqlens(fn, cu_seqlens)
         except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
             error = e
         sig = [("nranks", self.nranks), ("runs on", kind)] + list(self._options())
         if conv is not None:
-            sig += [(f"{n}.shape", tuple(int(s) for s in a.shape)) for n, a in conv.items()]
+            # Local lengths may differ between ranks: the sequence axis (1, or 2 for lse)
+            # is left out here and checked against the layout below.
+            seq_axis = lambda n: 2 if n == "lse" else 1
+            sig += [(f"{n}.shape (but the sequence axis)",
+                     tuple(None if i == seq_axis(n) else int(s) for i, s in enumerate(a.shape)))
+                    for n, a in conv.items()]
             sig += [(f"{n}.dtype", str(a.dtype)) for n, a in conv.items()]
-        if self._check or error is not None:
-            agree(self.comm, fn, error, sig)
+        sig.append(("cu_seqlens", fingerprint(cu)))
+        # BURSTMPI_CHECK=0 leaves the fingerprint out; the collective itself always runs,
+        # since it carries the local lengths the layout is built from.
+        lengths = agree(self.comm, fn, error, sig if self._check else [],
+                        0 if dims is None else dims[1])
         if error is not None:  # only reachable with BURSTMPI_CHECK=0
             raise error
         if self.backend is None or (kind == "numpy" and self.backend.name == "cuda"):
@@ -274,7 +277,9 @@ class BurstAttention:
             self.backend = get_backend("numpy")
             self.backend.tile_q, self.backend.tile_k = self._tiles
         self.last_stats.backend, self.last_stats.transport = self.backend.name, self.transport.name
-        self.layout = Layout(self.layout_name, self.nranks, dims[1])
+        lay = global_layout(fn, "q.shape[1]", self.layout_name, self.nranks, lengths, cu)
+        self.geometry = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu)
+        self.layout = self.geometry.layout
         d = dims[4]
         self.scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)
         return conv, dims
@@ -327,11 +332,11 @@ class BurstAttention:
         return StagedMPITransport(self.comm, to_host, to_dev,
                                   alloc_host=lambda n: cupyx_pinned(cupy, n))
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, *, cu_seqlens=None):
         """Attention of this rank's queries over the whole ring's keys: ``(out, lse)``."""
         fn = "BurstAttention.forward"
         h, dims = self._prepare(fn, {"q": q, "k": k, "v": v},
-                                lambda h: check_forward(fn, h["q"], h["k"], h["v"], self.layout_name))
+                                lambda h: check_forward(fn, h["q"], h["k"], h["v"]), cu_seqlens)
         with abort_on_device_error(self.comm):
             out, lse, st = ring.forward(self, h["q"], h["k"], h["v"], dims)
             self._finish()
@@ -345,24 +350,23 @@ class BurstAttention:
         acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
         cost = {}
         for mode in ("burst", "ring"):
-            packet, partial = ring.packet_fields(mode, dims, dtype, acc)
+            packet, partial = ring.packet_fields(mode, ring.packet_dims(self, dims), dtype, acc)
             per_step = ring.nbytes(packet) + ring.nbytes(partial)
             # Ties (one rank: nothing moves) go to the smaller full step, then to "burst".
             cost[mode] = (self.schedule(mode, ring.nbytes(packet), ring.nbytes(partial)).ring_bytes,
                           per_step)
         return "burst" if cost["burst"] <= cost["ring"] else "ring"
 
-    def backward(self, dout, q, k, v, out, lse):
+    def backward(self, dout, q, k, v, out, lse, *, cu_seqlens=None):
         """Gradients ``(dq, dk, dv)`` of this rank's q, k, v given ``dout``."""
         fn = "BurstAttention.backward"
         arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
 
         def check(h):
             lse_dtype = "float64" if np.dtype(h["q"].dtype) == np.float64 else "float32"
-            return check_backward(fn, h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"],
-                                  self.layout_name, lse_dtype)
+            return check_backward(fn, h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], lse_dtype)
 
-        h, dims = self._prepare(fn, arrays, check)
+        h, dims = self._prepare(fn, arrays, check, cu_seqlens)
         mode = self.choose_bwd_mode(dims, h["q"].dtype)
         with abort_on_device_error(self.comm):
             dq, dk, dv, st = ring.backward(self, mode, h["dout"], h["q"], h["k"], h["v"],

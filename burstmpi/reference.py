@@ -23,11 +23,19 @@ __all__ = ["visible", "forward", "backward", "rows", "key_rows", "random_problem
 ATOL = {"float64": 1e-13, "float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-3}
 
 
-def visible(qpos, kpos, causal=False, window=None):
-    """Boolean (len(qpos), len(kpos)) mask of the keys each query sees."""
+def visible(qpos, kpos, causal=False, window=None, cu_seqlens=None):
+    """Boolean (len(qpos), len(kpos)) mask of the keys each query sees: inside the window
+    and, with ``cu_seqlens``, inside the query's own document. Written from the
+    definitions (document ids compared, window offsets tested), independently of the
+    interval form the library uses."""
     w = Window(causal, window)
     d = np.asarray(kpos)[None, :] - np.asarray(qpos)[:, None]
-    return (d >= -w.lo) & (d <= w.hi)
+    seen = (d >= -w.lo) & (d <= w.hi)
+    if cu_seqlens is not None:
+        cu = np.asarray(cu_seqlens)
+        doc = lambda p: np.searchsorted(cu, np.asarray(p), side="right")
+        seen &= doc(qpos)[:, None] == doc(kpos)[None, :]
+    return seen
 
 
 def _rounder(dtype, precision):
@@ -48,7 +56,7 @@ def _expand(x, heads):
 
 
 def forward(q, k, v, *, causal=False, window=None, softmax_scale=None, precision="float64",
-            q_rows=None):
+            q_rows=None, cu_seqlens=None):
     """Return (out, lse) for global q (B, N, Z, d), k, v (B, N, Zkv, d|dv).
 
     ``q_rows`` restricts the queries to those global positions (for spot checks).
@@ -60,7 +68,7 @@ def forward(q, k, v, *, causal=False, window=None, softmax_scale=None, precision
     qh = np.asarray(q[:, rows], dtype=ct).transpose(0, 2, 1, 3)
     kh, vh = _expand(np.asarray(k, dtype=ct), Z), _expand(np.asarray(v, dtype=ct), Z)
     s = rnd((qh @ kh.swapaxes(-1, -2)) * ct(scale))
-    mask = visible(rows, np.arange(N), causal, window)
+    mask = visible(rows, np.arange(N), causal, window, cu_seqlens)
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
@@ -74,7 +82,8 @@ def forward(q, k, v, *, causal=False, window=None, softmax_scale=None, precision
     return out.transpose(0, 2, 1, 3), lse
 
 
-def backward(dout, q, k, v, *, causal=False, window=None, softmax_scale=None, precision="float64"):
+def backward(dout, q, k, v, *, causal=False, window=None, softmax_scale=None, precision="float64",
+             cu_seqlens=None):
     """Return (dq, dk, dv) of dense attention for global arrays."""
     B, N, Z, d = q.shape
     Zkv = k.shape[2]
@@ -84,7 +93,7 @@ def backward(dout, q, k, v, *, causal=False, window=None, softmax_scale=None, pr
     kh, vh = _expand(np.asarray(k, dtype=ct), Z), _expand(np.asarray(v, dtype=ct), Z)
     doh = np.asarray(dout, dtype=ct).transpose(0, 2, 1, 3)
     s = (qh @ kh.swapaxes(-1, -2)) * ct(scale)
-    s = np.where(visible(np.arange(N), np.arange(N), causal, window), s, -np.inf)
+    s = np.where(visible(np.arange(N), np.arange(N), causal, window, cu_seqlens), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0))
     l = p.sum(axis=-1, keepdims=True)
@@ -109,7 +118,8 @@ def _chunks(n):
     return [(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
 
 
-def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softmax_scale=None):
+def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softmax_scale=None,
+         cu_seqlens=None):
     """Float64 (out, lse, dq) of a few query rows at global ``positions`` of the sequence.
 
     ``q_rows``/``dout_rows`` are (B, R, Z, d|dv) for those rows only; ``k``, ``v`` are
@@ -126,7 +136,7 @@ def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softm
         kh = _expand(np.asarray(k[:, a:b], dtype=np.float64), Z)
         vh = _expand(np.asarray(v[:, a:b], dtype=np.float64), Z)
         s = (qh @ kh.swapaxes(-1, -2)) * scale
-        return np.where(visible(positions, np.arange(a, b), causal, window), s, -np.inf), kh, vh
+        return np.where(visible(positions, np.arange(a, b), causal, window, cu_seqlens), s, -np.inf), kh, vh
 
     m = np.full(qh.shape[:-1] + (1,), -np.inf)
     for a, b in _chunks(N):
@@ -149,7 +159,7 @@ def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softm
 
 
 def key_rows(q, k_rows, v_rows, dout, lse, delta, positions, *, causal=False, window=None,
-             softmax_scale=None):
+             softmax_scale=None, cu_seqlens=None):
     """Float64 (dk, dv) of a few key rows at global ``positions``, given every query's
     ``lse`` and ``delta`` = rowsum(dout * out), both (B, Z, N).
 
@@ -166,7 +176,7 @@ def key_rows(q, k_rows, v_rows, dout, lse, delta, positions, *, causal=False, wi
         qh = np.asarray(q[:, a:b], dtype=np.float64).transpose(0, 2, 1, 3)
         doh = np.asarray(dout[:, a:b], dtype=np.float64).transpose(0, 2, 1, 3)
         s = (qh @ kh.swapaxes(-1, -2)) * scale
-        s = np.where(visible(np.arange(a, b), positions, causal, window), s, -np.inf)
+        s = np.where(visible(np.arange(a, b), positions, causal, window, cu_seqlens), s, -np.inf)
         lse_b = np.asarray(lse[:, :, a:b], dtype=np.float64)[..., None]
         p = np.exp(s - np.where(np.isfinite(lse_b), lse_b, np.inf))
         dv = dv + p.swapaxes(-1, -2) @ doh

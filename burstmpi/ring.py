@@ -15,6 +15,11 @@ on every hop: the error then does not grow with the number of ranks.
 Each step posts the next transfer before computing on the current buffers (double
 buffering), and the kernels poll the transport between tiles so that MPI keeps moving
 the message while NumPy computes.
+
+Ranks may hold different numbers of tokens (any global length; see ``burstmpi.layout``).
+Packets are sized for the largest block and carry the owner's rows first: the kernels
+only ever see the owner's ``count`` rows, so padding rows cost no compute and never
+enter a result.
 """
 
 import time
@@ -23,7 +28,7 @@ import numpy as np
 
 from .comm import Channel, PartialChannel, field_bytes
 
-__all__ = ["forward", "backward", "packet_fields", "nbytes", "bytes_per_step"]
+__all__ = ["forward", "backward", "packet_fields", "packet_dims", "nbytes", "bytes_per_step"]
 
 TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
 
@@ -33,8 +38,15 @@ def nbytes(fields):
     return sum(field_bytes(shape, dt) for _, shape, dt in fields)
 
 
+def packet_dims(plan, dims):
+    """``dims`` with the sequence length of a packet: the largest block of the layout."""
+    B, _, Z, Zkv, d, dv = dims
+    return B, plan.layout.max_count, Z, Zkv, d, dv
+
+
 def packet_fields(mode, dims, dtype, acc):
-    """The packet and partial fields of a phase, in the working layouts of the backend."""
+    """The packet and partial fields of a phase, in the working layouts of the backend
+    (``dims``' sequence length is the packet's rows)."""
     B, C, Z, Zkv, d, dv = dims
     g = Z // Zkv
     kv = [("k", (B, Zkv, C, d), dtype), ("v", (B, Zkv, C, dv), dtype)]
@@ -118,29 +130,31 @@ def forward(plan, q, k, v, dims):
     be, xp = plan.backend, plan.backend.xp
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
-    packet, _ = packet_fields("forward", dims, q.dtype, acc)
+    geo = plan.geometry
+    packet, _ = packet_fields("forward", packet_dims(plan, dims), q.dtype, acc)
     sched = plan.schedule("forward", nbytes(packet), 0)
     (chan,) = plan.channels("forward", sched.direction, [(Channel, packet, TAG_FWD)])
     timer, t_start = _Timer(), time.perf_counter()
 
     cur = chan.current
-    cur["k"][...] = k.transpose(0, 2, 1, 3)
-    cur["v"][...] = v.transpose(0, 2, 1, 3)
+    cur["k"][:, :, :C] = k.transpose(0, 2, 1, 3)
+    cur["v"][:, :, :C] = v.transpose(0, 2, 1, 3)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
-    qpos = plan.layout.positions(plan.rank)
+    qb = geo.query_block(plan.rank)
     for t in _steps(plan, chan, sched, timer):
         if sched.compute[t]:
+            owner = sched.owners[t]
+            n = plan.layout.count(owner)
             cur = chan.current
-            timer.run("compute", be.fwd_block, q_rows, cur["k"], cur["v"], state, qpos,
-                      plan.layout.positions(sched.owners[t]), plan.window, plan.scale,
-                      poll=chan.progress)
+            timer.run("compute", be.fwd_block, q_rows, cur["k"][:, :, :n], cur["v"][:, :, :n], state,
+                      qb, geo.key_block(owner), plan.scale, poll=chan.progress)
     out_rows, lse_rows = be.fwd_finalize(state, q.dtype)
     del state
     out = _from_rows(xp, out_rows, q.dtype)
     del out_rows
     lse = xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
-    return out, lse, plan.phase_stats(sched, chan, None, timer, t_start)
+    return out, lse, plan.phase_stats("forward", sched, chan, None, timer, t_start)
 
 
 def backward(plan, mode, dout, q, k, v, out, lse, dims):
@@ -149,7 +163,8 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     B, C, Z, Zkv, d, dv = dims
     g = Z // Zkv
     acc = be.acc_dtype(q.dtype)
-    packet, partial = packet_fields(mode, dims, q.dtype, acc)
+    geo = plan.geometry
+    packet, partial = packet_fields(mode, packet_dims(plan, dims), q.dtype, acc)
     sched = plan.schedule(mode, nbytes(packet), nbytes(partial))
     chan, part = plan.channels(mode, sched.direction, [(Channel, packet, TAG_BWD),
                                                        (PartialChannel, partial, TAG_PARTIAL)])
@@ -166,7 +181,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
              "dv": xp.zeros((B, Zkv, C, dv), acc)}
     travelling = home_q if mode == "burst" else home_k
     for name, view in chan.current.items():
-        view[...] = travelling[name]
+        view[:, :, :C] = travelling[name]
 
     def partials(t):
         # The partial finished at step t-1 leaves with step t's packet; the partial that
@@ -176,25 +191,28 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
         if (t < sched.P and sched.partial_recv[t]) or (t == sched.P and sched.partial_home):
             part.post_recv()
 
-    here = plan.layout.positions(plan.rank)
     for t in _steps(plan, chan, sched, timer, partials):
-        there = plan.layout.positions(sched.owners[t])
-        qs, ks = (chan.current, home_k) if mode == "burst" else (home_q, chan.current)
-        qpos, kpos = (there, here) if mode == "burst" else (here, there)
+        owner = sched.owners[t]
+        n = plan.layout.count(owner)  # the packet's valid rows; the rest is padding
+        rows = lambda fields: {name: view[:, :, :n] for name, view in fields.items()}
+        if mode == "burst":
+            qs, ks, qrank, krank = rows(chan.current), home_k, owner, plan.rank
+        else:
+            qs, ks, qrank, krank = home_q, rows(chan.current), plan.rank, owner
         target = dict(grads)
         if t > 0 and sched.partial_send[t]:
-            target.update(part.send_buffer())
+            target.update(rows(part.send_buffer()))
         if sched.compute[t]:
             timer.run("compute", be.bwd_block, qs["q"], qs["do"], qs["D"], qs["lse"],
                       ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
-                      qpos, kpos, plan.window, plan.scale,
+                      geo.query_block(qrank), geo.key_block(krank), plan.scale,
                       poll=lambda: (chan.progress(), part.progress()))
         if t > 0 and sched.partial_recv[t]:
             for name, view in timer.run("wait", part.received).items():
-                target[name] += view
+                target[name] += view[:, :, :n]
     if sched.partial_home:
         for name, view in timer.run("wait", part.received).items():
-            grads[name] += view
+            grads[name] += view[:, :, :C]
     timer.run("wait", part.drain)
 
     del target, qs, ks
@@ -203,4 +221,4 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     dq = _from_rows(xp, grads.pop("dq"), q.dtype)
     dk = _from_kv(xp, grads.pop("dk"), q.dtype)
     dvv = _from_kv(xp, grads.pop("dv"), q.dtype)
-    return dq, dk, dvv, plan.phase_stats(sched, chan, part, timer, t_start)
+    return dq, dk, dvv, plan.phase_stats(mode, sched, chan, part, timer, t_start)

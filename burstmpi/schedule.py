@@ -7,7 +7,8 @@ nothing is negotiated at run time and a skipped send can never strand a posted r
 
 Rules, for the packet owned by rank j:
 
-* step t computes iff the holder's block and j's block interact (``masks.ranks_interact``);
+* step t computes iff some query of one block sees some key of the other (``pair_matrix``
+  counts the visible pairs exactly, documents and windows included);
 * the packet moves on after step t iff some later holder computes with it: a causal
   contiguous K/V block stops travelling once it has passed the last rank that needs it;
 * a moving gradient partial (dQ in "burst" mode, dK/dV in "ring" mode) starts at the
@@ -22,16 +23,32 @@ stop early. Ties go to +1.
 
 import numpy as np
 
-from .masks import ranks_interact
+from .masks import count_visible
 
-__all__ = ["Schedule", "interaction_matrix", "ring_bytes"]
+__all__ = ["Schedule", "pair_matrix", "interaction_matrix", "ring_bytes"]
 
 
-def interaction_matrix(layout, win):
-    """A[qi, kj]: does some query of rank qi see some key of rank kj?"""
+def pair_matrix(layout, mask):
+    """pairs[qi, kj]: visible (query token, key token) pairs of rank qi's queries and rank
+    kj's keys (exact; int64). Batch and heads multiply every entry alike, so they are left out.
+
+    Without a mask it is the product of the lengths; otherwise each query's visible key
+    interval is counted against each rank's sorted positions: O(P N log N) for the whole
+    matrix, which the plan caches per (layout, mask)."""
     P = layout.nranks
-    return np.array([[ranks_interact(layout, qi, kj, win) for kj in range(P)] for qi in range(P)],
-                    dtype=bool)
+    if mask.dense:
+        return np.outer(layout.counts, layout.counts)
+    pairs = np.zeros((P, P), dtype=np.int64)
+    for qi in range(P):
+        qb = mask.query_block(layout.positions(qi))
+        for kj in range(P):
+            pairs[qi, kj] = count_visible(qb, layout.positions(kj))
+    return pairs
+
+
+def interaction_matrix(layout, mask):
+    """A[qi, kj]: does some query of rank qi see some key of rank kj?"""
+    return pair_matrix(layout, mask) > 0
 
 
 def _moves_on(needs, owner, t, direction):

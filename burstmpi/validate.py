@@ -8,6 +8,7 @@ that caused it.
 """
 
 import builtins
+import numbers
 import zlib
 
 import numpy as np
@@ -15,7 +16,8 @@ import numpy as np
 from .layout import LAYOUTS
 
 __all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "check_window", "check_options",
-           "check_forward", "check_backward", "agree"]
+           "check_forward", "check_backward", "check_cu_seqlens", "check_lengths", "agree",
+           "fingerprint", "global_layout"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 BWD_MODES = ("auto", "burst", "ring")
@@ -44,11 +46,11 @@ def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto")
         raise ValueError(f"{fn}: window: with causal=True the right bound must be 0 or -1, "
                          f"got {tuple(window)!r}")
     if softmax_scale is not None:
-        try:
-            ok = np.isfinite(float(softmax_scale))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
+        # A real number, never a string or a bool that float() would quietly accept.
+        if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, (bool, np.bool_)):
+            raise TypeError(f"{fn}: softmax_scale: expected a finite real number or None, got "
+                            f"{softmax_scale!r} ({type(softmax_scale).__name__})")
+        if not np.isfinite(float(softmax_scale)):
             raise ValueError(f"{fn}: softmax_scale: expected a finite number or None, got {softmax_scale!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
@@ -60,7 +62,7 @@ def _dtype_name(x):
     return np.dtype(x.dtype).name
 
 
-def check_forward(fn, q, k, v, layout):
+def check_forward(fn, q, k, v):
     """Check q, k, v (NumPy views of the caller's arrays); return the problem dims."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -79,19 +81,18 @@ def check_forward(fn, q, k, v, layout):
     if _shape(v)[:3] != (B, C, Zkv):
         raise ValueError(f"{fn}: v.shape: expected ({B}, {C}, {Zkv}, head_dim_v) to match k {_shape(k)}, "
                          f"got {_shape(v)}")
-    if min(B, C, Z, d, Zkv, v.shape[3]) == 0:
-        raise ValueError(f"{fn}: q, k, v: every dimension must be non-empty, got q {_shape(q)}, "
+    # seqlen_local may be 0: a rank holds no token when the global length is below the
+    # number of ranks (the layout check says whether 0 is right for this rank).
+    if min(B, Z, d, Zkv, v.shape[3]) == 0:
+        raise ValueError(f"{fn}: q, k, v: batch, heads and head dims must be non-empty, got q {_shape(q)}, "
                          f"k {_shape(k)}, v {_shape(v)}")
     if Z % Zkv:
         raise ValueError(f"{fn}: k.shape[2]: expected a divisor of the {Z} query heads, got {Zkv} kv heads")
-    if layout == "zigzag" and C % 2:
-        raise ValueError(f"{fn}: q.shape[1]: layout='zigzag' needs an even seqlen_local "
-                         f"(two chunks per rank), got {C}")
     return B, C, Z, Zkv, d, int(v.shape[3])
 
 
-def check_backward(fn, dout, q, k, v, out, lse, layout, lse_dtype):
-    dims = check_forward(fn, q, k, v, layout)
+def check_backward(fn, dout, q, k, v, out, lse, lse_dtype):
+    dims = check_forward(fn, q, k, v)
     B, C, Z, Zkv, d, dv = dims
     for name, x in (("dout", dout), ("out", out)):
         if _shape(x) != (B, C, Z, dv):
@@ -106,23 +107,76 @@ def check_backward(fn, dout, q, k, v, out, lse, layout, lse_dtype):
     return dims
 
 
+def check_cu_seqlens(fn, cu_seqlens, seqlen=None):
+    """Validate document offsets (flash-attn's ``cu_seqlens``); return them as int64.
+
+    A 1-D integer array starting at 0, non-decreasing (empty documents are allowed), and
+    ending at ``seqlen`` when that is known here (``shard`` knows it; the ring learns the
+    global length in its agreement collective and checks the end there).
+    """
+    if cu_seqlens is None:
+        return None
+    from .interop import to_numpy
+
+    cu = to_numpy(cu_seqlens, "cu_seqlens", fn)
+    if cu.ndim != 1:
+        raise ValueError(f"{fn}: cu_seqlens: expected a 1-D array of document offsets, got shape {_shape(cu)}")
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"{fn}: cu_seqlens.dtype: expected an integer dtype (int32 or int64 offsets), got {cu.dtype}")
+    if cu.size == 0 or cu[0] != 0:
+        raise ValueError(f"{fn}: cu_seqlens: expected offsets starting at 0, got "
+                         f"{'an empty array' if cu.size == 0 else f'cu_seqlens[0] = {int(cu[0])}'}")
+    cu = cu.astype(np.int64)
+    step = np.diff(cu)
+    if (step < 0).any():
+        i = int(np.nonzero(step < 0)[0][0])
+        raise ValueError(f"{fn}: cu_seqlens: expected non-decreasing offsets, got "
+                         f"cu_seqlens[{i}] = {int(cu[i])} > cu_seqlens[{i + 1}] = {int(cu[i + 1])}")
+    if seqlen is not None and cu[-1] != seqlen:
+        raise ValueError(f"{fn}: cu_seqlens[-1]: expected the global length {seqlen}, got {int(cu[-1])}")
+    return cu
+
+
+def fingerprint(a):
+    """A cheap checksum of an array's bytes, for the agreement signature."""
+    return None if a is None else (int(a.size), zlib.crc32(np.ascontiguousarray(a).view(np.uint8)))
+
+
+def check_lengths(fn, name, layout, lengths):
+    """Every rank's local length must be what ``layout`` gives for the global length.
+
+    ``lengths`` are all ranks' local lengths, the same on every rank (from ``agree``),
+    so every rank raises the same error."""
+    lengths = np.asarray(lengths)
+    if not np.array_equal(lengths, layout.counts):
+        bad = [r for r in range(len(lengths)) if lengths[r] != layout.counts[r]]
+        raise ValueError(
+            f"{fn}: {name}: expected the local lengths that layout={layout.name!r} gives a global length "
+            f"of {layout.seqlen} (the sum) over {layout.nranks} ranks, {layout.describe_counts()}, "
+            f"got {lengths.tolist() if len(lengths) <= 16 else '...'} (rank {bad[0]} has {int(lengths[bad[0]])}, "
+            f"expected {int(layout.counts[bad[0]])}); make the parts with burstmpi.shard or shard_indices")
+
+
 def _checksum(signature):
     return zlib.crc32(repr(signature).encode()) & 0x7FFFFFFF
 
 
-def agree(comm, fn, error, signature):
-    """Raise on every rank if any rank has ``error`` or the ranks' signatures differ.
+def agree(comm, fn, error, signature, length=0):
+    """Raise on every rank if any rank has ``error`` or the ranks' signatures differ;
+    return every rank's ``length`` (its local sequence length), in rank order.
 
-    ``signature`` is a tuple of (name, value) pairs that must match on all ranks.
-    Costs one allreduce of three integers when all is well.
+    ``signature`` is a tuple of (name, value) pairs that must match on all ranks; local
+    lengths may differ (the layout decides) and travel beside it. Costs one allgather of
+    three integers per rank when all is well.
     """
     from mpi4py import MPI
 
     h = _checksum(signature)
-    flags = np.array([1 if error else 0, h, -h], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
-    if flags[0] == 0 and flags[1] == -flags[2]:
-        return
+    mine = np.array([1 if error else 0, h, int(length)], dtype=np.int64)
+    every = np.empty((comm.Get_size(), 3), dtype=np.int64)
+    comm.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
+    if not every[:, 0].any() and (every[:, 1] == h).all():
+        return every[:, 2]
     report = (None if error is None else (type(error).__name__, str(error)), signature)
     everyone = comm.allgather(report)
     failed = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
@@ -141,3 +195,20 @@ def agree(comm, fn, error, signature):
             seen = ", ".join(f"rank {r} has {v!r}" for r, v in enumerate(values))
             raise ValueError(f"{fn}: ranks disagree on {key}: {seen}")
     raise ValueError(f"{fn}: ranks disagree on their arguments")  # pragma: no cover
+
+
+def global_layout(fn, name, layout, nranks, lengths, cu_seqlens):
+    """The layout of a collective call, from every rank's local length (``agree``'s
+    result, the same everywhere): the global length is their sum, ``cu_seqlens`` must end
+    there, and each rank must hold what the layout gives it. Every rank raises alike."""
+    from .layout import layout_of
+
+    n = int(np.sum(lengths))
+    if n < 1:
+        raise ValueError(f"{fn}: {name}: expected a global sequence of at least 1 token, got 0 on every rank")
+    if cu_seqlens is not None and cu_seqlens[-1] != n:
+        raise ValueError(f"{fn}: cu_seqlens[-1]: expected the global length {n} (the sum of the ranks' "
+                         f"local lengths), got {int(cu_seqlens[-1])}")
+    lay = layout_of(layout, nranks, n, cu_seqlens)
+    check_lengths(fn, name, lay, lengths)
+    return lay

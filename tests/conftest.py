@@ -54,33 +54,36 @@ def check_close(name, ours, exact, plain, dtype, record=True):
 
 def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=False,
              window=None, layout="contiguous", bwd_comm="burst", softmax_scale=None, seed=0,
-             check_backward=True, backend=None, transport=None, tag=""):
+             check_backward=True, backend=None, transport=None, tag="", N=None, cu_seqlens=None):
     """Run forward and backward on COMM_WORLD and check them against float64.
 
-    ``backend``: a backend object to run the plan on instead of the default one;
-    ``transport``: a transport class to build the plan's transport from;
-    ``tag`` prefixes the quantity names in the error table."""
-    N = C * NRANKS
+    The global length is ``N`` (default ``C`` tokens per rank); ``cu_seqlens`` packs
+    documents. ``backend``: a backend object to run the plan on instead of the default
+    one; ``transport``: a transport class to build the plan's transport from; ``tag``
+    prefixes the quantity names in the error table."""
+    N = C * NRANKS if N is None else N
     q, k, v, do = ref.random_problem(B, N, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     opts = dict(causal=causal, window=window, softmax_scale=softmax_scale)
-    sh = lambda x: burstmpi.shard(x, layout=layout)
-    un = lambda x, axis=1: burstmpi.unshard(x, layout=layout, axis=axis)
+    docs = dict(cu_seqlens=cu_seqlens)
+    sh = lambda x: burstmpi.shard(x, layout=layout, **docs)
+    un = lambda x, axis=1: burstmpi.unshard(x, layout=layout, axis=axis, **docs)
     plan = burstmpi.BurstAttention(layout=layout, bwd_comm=bwd_comm, **opts)
     plan.backend = backend
     if transport is not None:
         plan.transport = transport(plan.comm)
     ql, kl, vl, dol = sh(q), sh(k), sh(v), sh(do)
-    out, lse = plan.forward(ql, kl, vl)
+    C = ql.shape[1]
+    out, lse = plan.forward(ql, kl, vl, **docs)
     assert out.dtype == ql.dtype and out.shape == ql.shape[:3] + (vl.shape[3],)
     assert lse.shape == (B, Z, C)
-    o64, l64 = ref.forward(q, k, v, **opts)
-    op, lp = ref.forward(q, k, v, precision="plain", **opts)
+    o64, l64 = ref.forward(q, k, v, **opts, **docs)
+    op, lp = ref.forward(q, k, v, precision="plain", **opts, **docs)
     errs = {"out": check_close(tag + "out", un(out), o64, op, dtype),
             "lse": check_close(tag + "lse", un(lse, axis=2), l64, lp, dtype)}
     if check_backward:
-        dq, dk, dv_ = plan.backward(dol, ql, kl, vl, out, lse)
-        exact = ref.backward(do, q, k, v, **opts)
-        plain = ref.backward(do, q, k, v, precision="plain", **opts)
+        dq, dk, dv_ = plan.backward(dol, ql, kl, vl, out, lse, **docs)
+        exact = ref.backward(do, q, k, v, **opts, **docs)
+        plain = ref.backward(do, q, k, v, precision="plain", **opts, **docs)
         for name, ours, e, p in zip(("dq", "dk", "dv"), (dq, dk, dv_), exact, plain):
             assert ours.dtype == ql.dtype
             errs[name] = check_close(tag + name, un(ours), e, p, dtype)
@@ -90,15 +93,16 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
 def check_fully_masked_rows(be, dtype, d):
     """A backend's local work on queries that see no key: out 0, lse -inf, no NaN anywhere,
     and zero gradients (lse -inf goes in as is: the backend must read it as +inf)."""
-    from burstmpi.masks import Window
+    from burstmpi.masks import Mask, Window
 
-    win, rng = Window(causal=True), np.random.default_rng(0)
+    mask, rng = Mask(Window(causal=True), 8), np.random.default_rng(0)
     q = rng.standard_normal((1, 1, 6, 2, d)).astype(dtype)
     k, v = (rng.standard_normal((1, 1, 5, d)).astype(dtype) for _ in range(2))
-    qpos, kpos = np.arange(6), np.arange(3, 8)  # causal: queries 0..2 see none of keys 3..7
+    # causal: queries 0..2 see none of keys 3..7
+    qb, kb = mask.query_block(np.arange(6)), mask.key_block(np.arange(3, 8))
     acc = be.acc_dtype(q.dtype)
     state = be.fwd_state(1, 1, 6, 2, d, acc)
-    be.fwd_block(q, k, v, state, qpos, kpos, win, 0.3)
+    be.fwd_block(q, k, v, state, qb, kb, 0.3)
     out, lse = be.fwd_finalize(state, q.dtype)
     assert not np.isnan(f64(out)).any() and not np.isnan(lse).any()
     assert (f64(out)[:, :, :3] == 0).all() and (lse[:, :, :3] == -np.inf).all()
@@ -108,7 +112,7 @@ def check_fully_masked_rows(be, dtype, d):
     out_user = out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(1, 6, 2, d)
     D = be.bwd_preprocess(out_user, out_user, 1, acc)
     be.bwd_block(q, out.astype(q.dtype), D, np.where(lse == -np.inf, np.inf, lse), k, v, dq, dk, dv,
-                 qpos, kpos, win, 0.3)
+                 qb, kb, 0.3)
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
     assert (dq[:, :, :3] == 0).all()
 

@@ -41,15 +41,15 @@ def test_bench_table_json_and_exit_code(tmp_path):
 
 
 def _break_forward(real):
-    def broken(self, q, k, v):
-        out, lse = real(self, q, k, v)
+    def broken(self, q, k, v, **kw):
+        out, lse = real(self, q, k, v, **kw)
         return out + np.float32(0.01), lse
     return broken
 
 
 def _break_dk(real):
-    def broken(self, *args):
-        dq, dk, dv = real(self, *args)
+    def broken(self, *args, **kw):
+        dq, dk, dv = real(self, *args, **kw)
         return dq, dk * np.float32(1.01), dv
     return broken
 
@@ -63,12 +63,14 @@ def test_bench_fails_loudly_on_wrong_results(monkeypatch, method, breaker):
         assert "FAILED" in res.output
 
 
-def test_bench_refuses_uneven_lengths():
-    res = CliRunner().invoke(main, ["-b", f"{2 * NRANKS + 1}", "-e", f"{2 * NRANKS + 1}"])
-    if NRANKS > 1:
-        assert res.exit_code == 2 and "equal chunks" in res.output
-    else:
-        pytest.skip("every length splits over one rank")
+def test_bench_runs_any_length():
+    """Lengths below the rank count and not divisible by it run and check out."""
+    for n in sorted({max(1, NRANKS - 1), 2 * NRANKS + 1}):
+        res = CliRunner().invoke(main, ["-b", str(n), "-e", str(n), "-H", "2", "-D", "16", "-n", "1",
+                                        "-w", "0", "-l", "all"])
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        if RANK == 0:
+            assert "# Out of bounds values : 0 OK" in res.output
 
 
 def test_new_columns_are_consistent():
@@ -153,3 +155,50 @@ def test_progress_goes_to_stderr_as_plain_lines():
     if RANK == 0:
         assert "# [2/2] seqlen" in res.stderr and "[2/2]" not in res.stdout
         assert "\r" not in res.stderr  # not a terminal: plain lines
+
+
+def test_docs_pack_every_length_and_time_the_padded_way(tmp_path):
+    """--docs: any length (not a multiple of the ranks), documents per row, imbalance, the
+    padded-per-document way beside it, a preamble naming the CPU's vector extensions."""
+    path = tmp_path / "docs.json"
+    N = 61 * NRANKS + 3
+    res = CliRunner().invoke(main, ["-b", str(N), "-e", str(N), "-H", "2", "-D", "16", "-n", "1", "-w", "0",
+                                    "-m", "causal", "--docs", "lognormal:40", "-l", "all", "-J", str(path)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    if RANK == 0:
+        assert "# Out of bounds values : 0 OK" in res.output
+        assert "#  CPU: " in res.output and "vector flags" in res.output
+        rows = json.loads(path.read_text())["rows"]
+        assert len(rows) == 3 and all(r["seqlen"] == N for r in rows)
+        for r in rows:
+            assert r["docs"] > 1 and r["docs_spec"] == "lognormal:40" and r["wrong"] == 0
+            assert r["imbalance"] >= 1.0 and r["pad_fwdbwd_ms"] > 0 and r["pad_ratio"] >= 1.0
+            assert r["vs_padded"] == pytest.approx(r["pad_fwdbwd_ms"] / r["fwdbwd_ms"])
+
+
+@pytest.mark.parametrize("spec,words", [("fixed:0", "fixed:N with N >= 1"), ("poisson:3", "expected fixed"),
+                                        ("file:/no/such/file", "file of document lengths")])
+def test_bad_docs_spec_is_refused(spec, words):
+    res = CliRunner().invoke(main, SMALL + ["--docs", spec])
+    assert res.exit_code == 2 and words in res.output, res.output
+
+
+def test_docs_specs_pack_exactly(tmp_path):
+    from burstmpi import packing
+
+    cu = packing.pack("fixed:10", 35)
+    assert cu.tolist() == [0, 10, 20, 30, 35]
+    cu = packing.pack("lognormal:100", 5000, seed=1)
+    assert cu[0] == 0 and cu[-1] == 5000 and (np.diff(cu) >= 1).all()
+    assert np.array_equal(cu, packing.pack("lognormal:100", 5000, seed=1))  # seeded
+    f = tmp_path / "lengths.txt"
+    f.write_text("# lengths\n3\n0\n\n4\n")
+    assert packing.pack(f"file:{f}", 12).tolist() == [0, 3, 3, 7, 10, 10, 12]
+    lengths, padded = packing.padded_documents([0, 3, 3, 10], 2)
+    assert lengths.tolist() == [3, 7] and padded.tolist() == [4, 8]
+
+
+def test_flops_count_document_pairs():
+    # Two documents of 3 and 2 tokens, causal: 6 + 3 visible pairs.
+    assert flops(1, 5, 1, 1, True, cu_seqlens=np.array([0, 3, 5])) == 4 * 9
+    assert flops(1, 5, 1, 1, False, cu_seqlens=np.array([0, 3, 5])) == 4 * 13

@@ -41,6 +41,8 @@ def test_bad_forward_arguments(mutate, exc, words):
     (dict(window=(-2, 0)), ["window", "-2"]),
     (dict(causal=True, window=(4, 2)), ["right bound", "(4, 2)"]),
     (dict(softmax_scale=float("nan")), ["softmax_scale", "nan"]),
+    (dict(softmax_scale="0.5"), ["softmax_scale", "'0.5'", "str"]),
+    (dict(softmax_scale=True), ["softmax_scale", "True", "bool"]),
     (dict(causal="yes"), ["causal", "'yes'"]),
 ])
 def test_bad_options(kw, words):
@@ -62,19 +64,14 @@ def test_bad_backward_arguments():
         burstmpi.attention_backward(do.astype(np.float64), q, k, v, out, lse)
 
 
-def test_zigzag_needs_even_local_length():
-    q, k, v, _ = local_problem(C=7)
-    with pytest.raises(ValueError, match=r"zigzag.*even.*got 7"):
-        burstmpi.attention(q, k, v, layout="zigzag")
-
-
-def test_shard_refuses_uneven_lengths():
-    x = np.zeros((1, 2 * NRANKS + 1, 2, 4))
-    if NRANKS > 1:
-        with pytest.raises(ValueError, match=rf"{2 * NRANKS + 1}.*{NRANKS} equal chunks"):
-            burstmpi.shard(x)
-    with pytest.raises(ValueError, match=r"zigzag.*pad the sequence"):
-        burstmpi.shard(np.zeros((1, 3 * NRANKS, 2)), layout="zigzag")
+def test_empty_global_sequence_is_refused():
+    q, k, v, _ = local_problem(C=0)
+    with pytest.raises(ValueError, match=r"at least 1 token, got 0"):
+        burstmpi.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"shard: x.shape\[1\]: expected a global length >= 1"):
+        burstmpi.shard(np.zeros((1, 0, 2)))
+    with pytest.raises(ValueError, match=r"shard_indices: n: expected the global length"):
+        burstmpi.shard_indices(0)
 
 
 @needs_ranks(2)
@@ -93,6 +90,9 @@ def test_ranks_disagreeing_raise_everywhere():
         burstmpi.attention(q, k, v, causal=RANK == 1)
     C = 8 if RANK == 0 else 6
     q, k, v, _ = local_problem(C=C)
+    with pytest.raises(ValueError, match=r"q.shape\[1\]: expected the local lengths .*rank 0 has 8"):
+        burstmpi.attention(q, k, v)
+    q, k, v, _ = local_problem(Z=4 if RANK == 0 else 2, Zkv=2)
     with pytest.raises(ValueError, match=r"ranks disagree on q.shape"):
         burstmpi.attention(q, k, v)
     q, k, v, _ = local_problem(dtype=np.float32 if RANK else np.float64)
@@ -103,7 +103,9 @@ def test_ranks_disagreeing_raise_everywhere():
 @needs_ranks(2)
 def test_unshard_mismatch_raises_everywhere():
     with pytest.raises(ValueError, match=r"ranks disagree on x_local.shape"):
-        burstmpi.unshard(np.zeros((1, 4 + RANK, 2)))
+        burstmpi.unshard(np.zeros((1, 4, 2 + RANK)))
+    with pytest.raises(ValueError, match=r"unshard: x_local.shape\[1\]: expected the local lengths"):
+        burstmpi.unshard(np.zeros((1, 4 + 2 * RANK, 2)))
 
 
 def test_fully_masked_rows_give_zero_and_minus_inf():

@@ -5,17 +5,17 @@ from click.testing import CliRunner
 
 from burstmpi import model
 from burstmpi.layout import LAYOUTS, Layout
-from burstmpi.masks import Window, tile_mask
+from burstmpi.masks import Mask, Window
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (5, 2)), (True, (9, 0))])
 def test_visible_pairs_count_the_mask_exactly(layout, causal, window):
     P, C = 4, 12
-    lay, win = Layout(layout, P, C), Window(causal, window)
+    lay, win = Layout(layout, P, P * C), Window(causal, window)
     for h in range(P):
         for o in range(P):
-            brute = int(tile_mask(lay.positions(h), lay.positions(o), win).sum())
+            brute = int(Mask(win, P * C).visible(lay.positions(h), lay.positions(o)).sum())
             assert model.visible_pairs(lay, h, o, win) == brute
 
 

@@ -7,7 +7,7 @@ import pytest
 import burstmpi
 from burstmpi import reference as ref
 from burstmpi.layout import Layout
-from burstmpi.masks import Window
+from burstmpi.masks import Mask, Window
 from burstmpi.ring import bytes_per_step
 from burstmpi.schedule import Schedule, interaction_matrix
 
@@ -15,7 +15,7 @@ from conftest import NRANKS, RANK
 
 
 def schedules(P, layout, causal=False, window=None, mode="forward", C=64):
-    a = interaction_matrix(Layout(layout, P, C), Window(causal, window))
+    a = interaction_matrix(Layout(layout, P, P * C), Mask(Window(causal, window), P * C))
     needs = a.T if mode == "burst" else a
     return needs, [Schedule(needs, r, packet_bytes=10, partial_bytes=4) for r in range(P)]
 

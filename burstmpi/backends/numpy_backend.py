@@ -44,12 +44,17 @@ def _extremes(pos, tiles):
     return np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)
 
 
-def _tile_plan(qpos, kpos, tq, tk, win):
-    """Rows of (q tile, [(k tile, bias)]) without empty pairs; bias (0/-inf) if partial."""
-    qt, kt = _tiles(qpos, tq), _tiles(kpos, tk)
-    qmin, qmax = _extremes(qpos, qt)
+def _tile_plan(qb, kpos, tq, tk):
+    """Rows of (q tile, [(k tile, bias)]) without empty pairs; bias (0/-inf) if partial.
+
+    ``qb`` is the query rows' ``masks.Block``; positions increase along both sides, so a
+    tile's first and last rows bound its visible key intervals."""
+    if len(qb.pos) == 0 or len(kpos) == 0:
+        return []
+    qt, kt = _tiles(qb.pos, tq), _tiles(kpos, tk)
+    r0s, r1s = np.array([a for a, _ in qt]), np.array([b - 1 for _, b in qt])
     kmin, kmax = _extremes(kpos, kt)
-    cls = classify_tiles(qmin, qmax, kmin, kmax, win)
+    cls = classify_tiles(qb.first[r0s], qb.first[r1s], qb.last[r0s], qb.last[r1s], kmin, kmax)
     plan = []
     for i, (r0, r1) in enumerate(qt):
         row = []
@@ -57,7 +62,7 @@ def _tile_plan(qpos, kpos, tq, tk, win):
             c0, c1 = kt[j]
             bias = None
             if cls[i, j] == PARTIAL:
-                bias = np.where(tile_mask(qpos[r0:r1], kpos[c0:c1], win), 0.0, -np.inf)
+                bias = np.where(tile_mask(qb.first[r0:r1], qb.last[r0:r1], kpos[c0:c1]), 0.0, -np.inf)
             row.append((c0, c1, bias))
         if row:
             plan.append((r0, r1, row))
@@ -81,15 +86,16 @@ class NumpyBackend:
     def acc_dtype(dtype):
         return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
-    def _plan(self, g, qpos, kpos, win):
+    def _plan(self, g, qb, kb):
         tq, tk = max(1, self.tile_q // g), self.tile_k
-        # A narrow sliding window only touches a band around the diagonal: shrink the
-        # tiles towards half its width so that little of each tile is masked away.
-        width = win.lo + win.hi + 1
+        # A narrow band of visible keys (a sliding window, or short documents) leaves most
+        # of a large tile masked away: shrink the tiles towards half the widest query's
+        # visible span.
+        width = int((qb.last - qb.first).max(initial=0)) + 1
         if width < 2 * tk:
             t = max(64, 1 << int(width // 2).bit_length())
             tq, tk = min(tq, max(1, t // g)), min(tk, t)
-        return _tile_plan(qpos, kpos, tq, tk, win)
+        return _tile_plan(qb, kb.pos, tq, tk)
 
     # -- forward ----------------------------------------------------------------------
 
@@ -99,13 +105,15 @@ class NumpyBackend:
                 np.full((B, Zkv, C, g), -np.inf, acc),
                 np.zeros((B, Zkv, C, g), acc))
 
-    def fwd_block(self, q, k, v, state, qpos, kpos, win, scale, poll=None):
-        """Merge attention of queries ``q`` over the block (k, v) into ``state``."""
+    def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
+        """Merge attention of queries ``q`` over the block (k, v) into ``state``.
+
+        ``qb``, ``kb``: the ``masks.Block`` of the query and key rows."""
         acc, m, l = state
         B, Zkv, C, g, d = q.shape
         dv = v.shape[-1]
         cd = acc.dtype
-        for r0, r1, row in self._plan(g, qpos, kpos, win):
+        for r0, r1, row in self._plan(g, qb, kb):
             n = (r1 - r0) * g
             qt = q[:, :, r0:r1].reshape(B, Zkv, n, d).astype(cd) * cd.type(scale)
             acc_t = acc[:, :, r0:r1].reshape(B, Zkv, n, dv)
@@ -153,7 +161,7 @@ class NumpyBackend:
         D = (dout.astype(acc, copy=False) * out.astype(acc, copy=False)).sum(axis=-1)
         return D.reshape(B, C, Zkv, Z // Zkv).transpose(0, 2, 1, 3)
 
-    def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qpos, kpos, win, scale, poll=None):
+    def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qb, kb, scale, poll=None):
         """Accumulate the gradients of one (query block, key block) pair.
 
         ``lse`` must hold +inf (not -inf) for rows that see no key, so that
@@ -164,7 +172,7 @@ class NumpyBackend:
         dvd = v.shape[-1]
         cd = dq.dtype
         sc = cd.type(scale)
-        for r0, r1, row in self._plan(g, qpos, kpos, win):
+        for r0, r1, row in self._plan(g, qb, kb):
             n = (r1 - r0) * g
             qt = q[:, :, r0:r1].reshape(B, Zkv, n, d).astype(cd) * sc
             dot = do[:, :, r0:r1].reshape(B, Zkv, n, dvd).astype(cd, copy=False)
