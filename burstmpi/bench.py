@@ -517,7 +517,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     (a ``--docs`` SPEC) packs each sequence with documents."""
     dev = Device("numpy") if dev is None else dev
     P, rank = comm.Get_size(), comm.Get_rank()
-    B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    B, N, Z, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"]
     cu = None if docs is None else packing.pack(docs, N, seed)
     positions = shard_indices(N, comm=comm, layout=cfg["layout"], cu_seqlens=cu)
     C = len(positions)
@@ -649,8 +649,8 @@ def _header(columns):
               help="Pack each sequence with documents: fixed:LEN, lognormal:MEAN (seeded) or file:PATH "
                    "(one length per line); also times the padded-per-document way.")
 @click.option("--bwd", "bwd_comm", default="auto", show_default=True,
-              type=click.Choice(["auto", "burst", "ring", "all"]),
-              help="Backward communication mode; all = burst and ring side by side.")
+              type=click.Choice(["auto", "burst", "ring", "two-way", "all"]),
+              help="Backward communication mode; all = burst, ring and two-way side by side.")
 @click.option("--torch/--no-torch", "use_torch", default=False, show_default=True,
               help="Also time PyTorch scaled_dot_product_attention on the global problem (rank 0).")
 @click.option("--trace-memory", is_flag=True,
@@ -709,7 +709,7 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
                for dt in _choices(dtype, DTYPES)
                for c in causals
                for lay in _choices(layout, LAYOUTS)
-               for bw in _choices(bwd_comm, ["burst", "ring"])]  # "all": both modes, side by side
+               for bw in _choices(bwd_comm, ["burst", "ring", "two-way"])]  # "all": side by side
     params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=iters, warmup=warmup,
                   check=check, dtype=dtype, average=REDUCE[reduce][0], batch=batch, heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,

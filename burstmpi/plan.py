@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import ring
+from . import ring, twoway
 from .backends import get_backend
 from .backends.cupy_backend import CupyBackend
 from .comm import MPITransport, StagedMPITransport, private_comm
@@ -29,8 +29,9 @@ class PhaseStats:
     """What one rank did in one phase of the last call.
 
     ``bytes_sent``/``bytes_recv`` count payload bytes this rank moved;
-    ``steps_computed + steps_skipped`` is the number of ranks; ``direction`` is +1 when
-    packets go to rank+1. ``pairs`` counts the visible (query token, key token) pairs of
+    ``steps_computed + steps_skipped`` is the number of ranks (``steps_computed``: the ranks
+    whose blocks this rank computed with); ``direction`` is +1 when packets go to rank+1,
+    -1 when they go to rank-1, and 0 on the two-way ring (``burstmpi.twoway``). ``pairs`` counts the visible (query token, key token) pairs of
     the steps this rank computed (times batch and heads for the work done; compare ranks
     to measure imbalance). ``compute_s`` is time inside local kernels and ``wait_s`` the
     exposed communication (time blocked on transfers); ``wall_s`` covers the whole phase.
@@ -88,9 +89,13 @@ class BurstAttention:
         Multiplies Q K^T; default ``1 / sqrt(head_dim)``.
     layout : {"contiguous", "zigzag", "striped"}
         How the global sequence is spread over ranks (see ``burstmpi.shard``).
-    bwd_comm : {"auto", "burst", "ring"}
-        What circulates in the backward: Q/dO/dQ ("burst"), K/V/dK/dV ("ring"), or
-        whichever moves fewer bytes for the call ("auto"; recorded in ``last_stats``).
+    bwd_comm : {"auto", "burst", "ring", "two-way"}
+        What circulates in the backward: Q/dO/dQ ("burst"), K/V/dK/dV ("ring"), both K/V
+        and Q/dO two ways with no gradient partial ("two-way", ``burstmpi.twoway``; from 3
+        ranks), or whichever moves fewer bytes for the call ("auto"; recorded in
+        ``last_stats``; it considers "two-way" only on backends where that costs no extra
+        compute, i.e. the CUDA kernels). The forward takes the two-way ring by itself
+        whenever it moves fewer bytes (``last_stats.forward.direction`` is then 0).
     backend : {"auto", "numpy", "cuda"}
         "auto" follows the arrays' device: GPU arrays (CuPy, or any DLPack producer on a
         CUDA device) run on burstmpi's CUDA kernels, host arrays on NumPy. "cuda" with
@@ -147,20 +152,21 @@ class BurstAttention:
     def schedule(self, mode, packet_bytes, partial_bytes):
         return Schedule(self.geometry.needs(mode), self.rank, packet_bytes, partial_bytes)
 
-    def channels(self, phase, direction, specs):
+    def channels(self, phase, specs):
         """The channels of one phase, built on the plan's buffer arena.
 
-        ``specs`` lists (class, fields, tag). Phases never run at the same time, so all
-        of them share one arena as large as the largest phase needs (the forward's K/V
-        double buffer and the backward's packets reuse the same memory). Channels are
+        ``specs`` lists (class, fields, tag, direction): a channel sends to rank +
+        direction and receives from rank - direction. Phases never run at the same time,
+        so all of them share one arena as large as the largest phase needs (the forward's
+        K/V double buffer and the backward's packets reuse the same memory). Channels are
         cached per phase while their shapes stay the same.
         """
-        key = (direction, tuple((cls.__name__, tag, tuple((f, tuple(s), np.dtype(d).str) for f, s, d in fields))
-                                for cls, fields, tag in specs))
+        key = tuple((cls.__name__, tag, direction, tuple((f, tuple(s), np.dtype(d).str) for f, s, d in fields))
+                    for cls, fields, tag, direction in specs)
         cached = self._channels.get(phase)
         if cached is None or cached[0] != key:
             single = self.nranks == 1
-            need = sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, _ in specs)
+            need = sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, *_ in specs)
             if self._arena is None or self._arena.nbytes < need:
                 self._channels.clear()  # they view the old arena; let it go
                 self._arena = None
@@ -172,11 +178,10 @@ class BurstAttention:
                 offset[0] += nbytes
                 return view
 
-            send_to = (self.rank + direction) % self.nranks
-            recv_from = (self.rank - direction) % self.nranks
-            chans = [cls(self.transport, fields, send_to=send_to, recv_from=recv_from, tag=tag,
-                         alloc=carve, single=single)
-                     for cls, fields, tag in specs]
+            chans = [cls(self.transport, fields, send_to=(self.rank + direction) % self.nranks,
+                         recv_from=(self.rank - direction) % self.nranks, tag=tag, alloc=carve,
+                         single=single)
+                     for cls, fields, tag, direction in specs]
             cached = self._channels[phase] = (key, chans)
         for c in cached[1]:
             c.bytes_sent = c.bytes_recv = 0
@@ -187,17 +192,14 @@ class BurstAttention:
         """Bytes of ring buffers this plan holds (the double buffers and partials)."""
         return 0 if self._arena is None else int(self._arena.nbytes)
 
-    def phase_stats(self, mode, sched, chan, part, timer, t_start):
-        chans = [c for c in (chan, part) if c is not None]
-        geo = self.geometry
-        # The holder's pairs with each packet it computed on: its queries against the
-        # owner's keys, or (burst) the owner's queries against its keys.
-        pairs = sum(int(geo.pairs[o, self.rank] if mode == "burst" else geo.pairs[self.rank, o])
-                    for o, c in zip(sched.owners, sched.compute) if c)
+    def phase_stats(self, chans, owners, pairs, direction, timer, t_start):
+        """A phase's ``PhaseStats``. ``owners``: the ranks whose blocks this rank computed
+        with; ``pairs``: the visible pairs of those computations."""
+        computed = len(set(owners))
         return PhaseStats(bytes_sent=sum(c.bytes_sent for c in chans),
                           bytes_recv=sum(c.bytes_recv for c in chans),
-                          steps_computed=sched.steps_computed, steps_skipped=sched.steps_skipped,
-                          pairs=pairs, direction=sched.direction, wall_s=time.perf_counter() - t_start,
+                          steps_computed=computed, steps_skipped=self.nranks - computed,
+                          pairs=int(pairs), direction=direction, wall_s=time.perf_counter() - t_start,
                           compute_s=timer.compute, wait_s=timer.wait)
 
     def _finish(self):
@@ -337,25 +339,44 @@ class BurstAttention:
         fn = "BurstAttention.forward"
         h, dims = self._prepare(fn, {"q": q, "k": k, "v": v},
                                 lambda h: check_forward(fn, h["q"], h["k"], h["v"]), cu_seqlens)
+        run = twoway.forward if self._forward_two_way(dims, h["q"].dtype) else ring.forward
         with abort_on_device_error(self.comm):
-            out, lse, st = ring.forward(self, h["q"], h["k"], h["v"], dims)
+            out, lse, st = run(self, h["q"], h["k"], h["v"], dims)
             self._finish()
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         return like(out, q), like(lse, q)
 
+    def _packet_bytes(self, mode, dims, dtype):
+        acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        packet, partial = ring.packet_fields(mode, ring.packet_dims(self, dims), dtype, acc)
+        return ring.nbytes(packet), ring.nbytes(partial)
+
+    def _forward_two_way(self, dims, dtype):
+        """Does the two-way ring move fewer forward bytes than the one-way ring?"""
+        if self.nranks < 3:
+            return False
+        packet, _ = self._packet_bytes("forward", dims, dtype)
+        needs = self.geometry.needs("forward")
+        return twoway.two_way_bytes(needs, packet) < self.schedule("forward", packet, 0).ring_bytes
+
     def choose_bwd_mode(self, dims, dtype):
         """The backward mode a call with these dims and dtype uses: fewest bytes moved."""
+        if self.bwd_comm == "two-way" and self.nranks < 3:
+            return "burst"  # both directions would reach the same neighbour
         if self.bwd_comm != "auto":
             return self.bwd_comm
-        acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
         cost = {}
         for mode in ("burst", "ring"):
-            packet, partial = ring.packet_fields(mode, ring.packet_dims(self, dims), dtype, acc)
-            per_step = ring.nbytes(packet) + ring.nbytes(partial)
+            packet, partial = self._packet_bytes(mode, dims, dtype)
             # Ties (one rank: nothing moves) go to the smaller full step, then to "burst".
-            cost[mode] = (self.schedule(mode, ring.nbytes(packet), ring.nbytes(partial)).ring_bytes,
-                          per_step)
-        return "burst" if cost["burst"] <= cost["ring"] else "ring"
+            cost[mode] = (self.schedule(mode, packet, partial).ring_bytes, packet + partial)
+        if self.nranks >= 3 and getattr(self.backend, "split_backward_free", False):
+            kv, _ = self._packet_bytes("forward", dims, dtype)
+            qp, _ = self._packet_bytes("burst", dims, dtype)
+            geo = self.geometry
+            cost["two-way"] = (twoway.two_way_bytes(geo.needs("forward"), kv)
+                               + twoway.two_way_bytes(geo.needs("burst"), qp), kv + qp)
+        return min(cost, key=lambda m: cost[m])  # dicts keep order: ties go to burst, ring
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens=None):
         """Gradients ``(dq, dk, dv)`` of this rank's q, k, v given ``dout``."""
@@ -368,9 +389,12 @@ class BurstAttention:
 
         h, dims = self._prepare(fn, arrays, check, cu_seqlens)
         mode = self.choose_bwd_mode(dims, h["q"].dtype)
+        args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)
         with abort_on_device_error(self.comm):
-            dq, dk, dv, st = ring.backward(self, mode, h["dout"], h["q"], h["k"], h["v"],
-                                           h["out"], h["lse"], dims)
+            if mode == "two-way":
+                dq, dk, dv, st = twoway.backward(self, *args)
+            else:
+                dq, dk, dv, st = ring.backward(self, mode, *args)
             self._finish()
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
         self.last_stats.buffer_bytes = self.buffer_bytes

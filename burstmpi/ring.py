@@ -28,7 +28,8 @@ import numpy as np
 
 from .comm import Channel, PartialChannel, field_bytes
 
-__all__ = ["forward", "backward", "packet_fields", "packet_dims", "nbytes", "bytes_per_step"]
+__all__ = ["forward", "backward", "packet_fields", "packet_dims", "nbytes", "bytes_per_step",
+           "Timer", "backward_operands", "finish_gradients"]
 
 TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
 
@@ -65,7 +66,7 @@ def bytes_per_step(mode, dims, dtype, acc):
     return nbytes(packet) + nbytes(partial)
 
 
-class _Timer:
+class Timer:
     """Splits a phase's wall time into compute and waiting on transfers."""
 
     def __init__(self):
@@ -125,6 +126,34 @@ def _from_kv(xp, x, dtype):
     return out
 
 
+def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
+    """The backward's home operands in working layouts and its zeroed accumulators:
+    (query side {q, do, D, lse}, key side {k, v}, gradients {dq, dk, dv})."""
+    xp = be.xp
+    B, C, Z, Zkv, d, dv = dims
+    g = Z // Zkv
+    # D = rowsum(dO * O), once and locally, so O itself never travels.
+    D = be.bwd_preprocess(dout, out, Zkv, acc)                         # (B, Zkv, C, g)
+    lse_rows = lse.astype(acc).reshape(B, Zkv, g, C).transpose(0, 1, 3, 2)
+    # Rows that saw no key have lse = -inf; +inf makes exp(s - lse) exactly 0 there.
+    lse_rows = xp.where(lse_rows == -np.inf, np.inf, lse_rows)
+    home_q = {"q": _rows(q, Zkv), "do": _rows(dout, Zkv), "D": D, "lse": lse_rows}
+    home_k = {"k": k.transpose(0, 2, 1, 3), "v": v.transpose(0, 2, 1, 3)}
+    grads = {"dq": xp.zeros((B, Zkv, C, g, d), acc), "dk": xp.zeros((B, Zkv, C, d), acc),
+             "dv": xp.zeros((B, Zkv, C, dv), acc)}
+    return home_q, home_k, grads
+
+
+def finish_gradients(xp, grads, dtype, scale):
+    """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied)."""
+    grads["dq"] *= grads["dq"].dtype.type(scale)
+    # Convert one gradient at a time, dropping its fp32 accumulator as soon as it is done.
+    dq = _from_rows(xp, grads.pop("dq"), dtype)
+    dk = _from_kv(xp, grads.pop("dk"), dtype)
+    dvv = _from_kv(xp, grads.pop("dv"), dtype)
+    return dq, dk, dvv
+
+
 def forward(plan, q, k, v, dims):
     """Return (out, lse, stats) for this rank's q, k, v."""
     be, xp = plan.backend, plan.backend.xp
@@ -133,8 +162,8 @@ def forward(plan, q, k, v, dims):
     geo = plan.geometry
     packet, _ = packet_fields("forward", packet_dims(plan, dims), q.dtype, acc)
     sched = plan.schedule("forward", nbytes(packet), 0)
-    (chan,) = plan.channels("forward", sched.direction, [(Channel, packet, TAG_FWD)])
-    timer, t_start = _Timer(), time.perf_counter()
+    (chan,) = plan.channels("forward", [(Channel, packet, TAG_FWD, sched.direction)])
+    timer, t_start = Timer(), time.perf_counter()
 
     cur = chan.current
     cur["k"][:, :, :C] = k.transpose(0, 2, 1, 3)
@@ -142,6 +171,7 @@ def forward(plan, q, k, v, dims):
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.query_block(plan.rank)
+    owners = [o for o, c in zip(sched.owners, sched.compute) if c]
     for t in _steps(plan, chan, sched, timer):
         if sched.compute[t]:
             owner = sched.owners[t]
@@ -154,31 +184,23 @@ def forward(plan, q, k, v, dims):
     out = _from_rows(xp, out_rows, q.dtype)
     del out_rows
     lse = xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
-    return out, lse, plan.phase_stats("forward", sched, chan, None, timer, t_start)
+    pairs = sum(geo.pairs[plan.rank, o] for o in owners)
+    return out, lse, plan.phase_stats([chan], owners, pairs, sched.direction, timer, t_start)
 
 
 def backward(plan, mode, dout, q, k, v, out, lse, dims):
     """Return (dq, dk, dv, stats) in ``mode`` ("burst" or "ring")."""
     be, xp = plan.backend, plan.backend.xp
-    B, C, Z, Zkv, d, dv = dims
-    g = Z // Zkv
+    C = dims[1]
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
     packet, partial = packet_fields(mode, packet_dims(plan, dims), q.dtype, acc)
     sched = plan.schedule(mode, nbytes(packet), nbytes(partial))
-    chan, part = plan.channels(mode, sched.direction, [(Channel, packet, TAG_BWD),
-                                                       (PartialChannel, partial, TAG_PARTIAL)])
-    timer, t_start = _Timer(), time.perf_counter()
+    chan, part = plan.channels(mode, [(Channel, packet, TAG_BWD, sched.direction),
+                                      (PartialChannel, partial, TAG_PARTIAL, sched.direction)])
+    timer, t_start = Timer(), time.perf_counter()
 
-    # D = rowsum(dO * O), once and locally, so O itself never travels.
-    D = be.bwd_preprocess(dout, out, Zkv, acc)                         # (B, Zkv, C, g)
-    lse_rows = lse.astype(acc).reshape(B, Zkv, g, C).transpose(0, 1, 3, 2)
-    # Rows that saw no key have lse = -inf; +inf makes exp(s - lse) exactly 0 there.
-    lse_rows = xp.where(lse_rows == -np.inf, np.inf, lse_rows)
-    home_q = {"q": _rows(q, Zkv), "do": _rows(dout, Zkv), "D": D, "lse": lse_rows}
-    home_k = {"k": k.transpose(0, 2, 1, 3), "v": v.transpose(0, 2, 1, 3)}
-    grads = {"dq": xp.zeros((B, Zkv, C, g, d), acc), "dk": xp.zeros((B, Zkv, C, d), acc),
-             "dv": xp.zeros((B, Zkv, C, dv), acc)}
+    home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
     travelling = home_q if mode == "burst" else home_k
     for name, view in chan.current.items():
         view[:, :, :C] = travelling[name]
@@ -216,9 +238,9 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     timer.run("wait", part.drain)
 
     del target, qs, ks
-    grads["dq"] *= acc.type(plan.scale)
-    # Convert one gradient at a time, dropping its fp32 accumulator as soon as it is done.
-    dq = _from_rows(xp, grads.pop("dq"), q.dtype)
-    dk = _from_kv(xp, grads.pop("dk"), q.dtype)
-    dvv = _from_kv(xp, grads.pop("dv"), q.dtype)
-    return dq, dk, dvv, plan.phase_stats(mode, sched, chan, part, timer, t_start)
+    dq, dk, dvv = finish_gradients(xp, grads, q.dtype, plan.scale)
+    owners = [o for o, c in zip(sched.owners, sched.compute) if c]
+    # The holder's pairs: its queries against the owner's keys, or (burst) the owner's
+    # queries against its keys.
+    pairs = sum(geo.pairs[o, plan.rank] if mode == "burst" else geo.pairs[plan.rank, o] for o in owners)
+    return dq, dk, dvv, plan.phase_stats([chan, part], owners, pairs, sched.direction, timer, t_start)

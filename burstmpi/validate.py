@@ -20,7 +20,7 @@ __all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "check_window", "check_options",
            "fingerprint", "global_layout"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
-BWD_MODES = ("auto", "burst", "ring")
+BWD_MODES = ("auto", "burst", "ring", "two-way")
 
 
 def _shape(x):

@@ -195,7 +195,7 @@ def _local(N):
 @pytest.mark.parametrize("cu,exc,words", [
     (lambda N: [1, N], ValueError, ["cu_seqlens", "starting at 0", "cu_seqlens[0] = 1"]),
     (lambda N: [0, 5, 3, N], ValueError, ["non-decreasing", "cu_seqlens[1] = 5 > cu_seqlens[2] = 3"]),
-    (lambda N: [0, N + 1], ValueError, ["cu_seqlens[-1]", f"global length"]),
+    (lambda N: [0, N + 1], ValueError, ["cu_seqlens[-1]", "global length"]),
     (lambda N: np.array([0.0, N]), TypeError, ["cu_seqlens.dtype", "integer", "float64"]),
     (lambda N: np.array([[0, N]]), ValueError, ["cu_seqlens", "1-D", "(1, 2)"]),
     (lambda N: np.array([], dtype=np.int64), ValueError, ["cu_seqlens", "empty"]),

@@ -166,11 +166,12 @@ class NumpyBackend:
 
         ``lse`` must hold +inf (not -inf) for rows that see no key, so that
         exp(s - lse) is 0 there. ``dq`` accumulates dS @ K without the softmax scale
-        (the owner applies it once); ``dk`` and ``dv`` are complete.
+        (the owner applies it once); ``dk`` and ``dv`` are complete. ``dq=None`` or
+        ``dk=dv=None`` computes only the other side's gradients (the two-way ring).
         """
         B, Zkv, C, g, d = q.shape
         dvd = v.shape[-1]
-        cd = dq.dtype
+        cd = (dq if dq is not None else dk).dtype
         sc = cd.type(scale)
         for r0, r1, row in self._plan(g, qb, kb):
             n = (r1 - r0) * g
@@ -178,7 +179,7 @@ class NumpyBackend:
             dot = do[:, :, r0:r1].reshape(B, Zkv, n, dvd).astype(cd, copy=False)
             Dt = D[:, :, r0:r1].reshape(B, Zkv, n, 1)
             lt = lse[:, :, r0:r1].reshape(B, Zkv, n, 1)
-            dq_t = dq[:, :, r0:r1].reshape(B, Zkv, n, d)
+            dq_t = None if dq is None else dq[:, :, r0:r1].reshape(B, Zkv, n, d)
             for c0, c1, bias in row:
                 kt = k[:, :, c0:c1].astype(cd, copy=False)
                 vt = v[:, :, c0:c1].astype(cd, copy=False)
@@ -187,11 +188,14 @@ class NumpyBackend:
                     p.reshape(B, Zkv, r1 - r0, g, c1 - c0)[...] += bias[:, None, :].astype(cd)
                 p -= lt
                 np.exp(p, out=p)
-                dv[:, :, c0:c1] += p.swapaxes(-1, -2) @ dot
+                if dv is not None:
+                    dv[:, :, c0:c1] += p.swapaxes(-1, -2) @ dot
                 ds = dot @ vt.swapaxes(-1, -2)
                 ds -= Dt
                 ds *= p
-                dq_t += ds @ kt
-                dk[:, :, c0:c1] += ds.swapaxes(-1, -2) @ qt
+                if dq_t is not None:
+                    dq_t += ds @ kt
+                if dk is not None:
+                    dk[:, :, c0:c1] += ds.swapaxes(-1, -2) @ qt
                 if poll is not None:
                     poll()

@@ -1,0 +1,199 @@
+"""The two-way ring: every block travels only as far as it is needed, in each direction.
+
+A one-way ring carries block j round the circle as long as any rank further along needs
+it. A symmetric sliding window on the contiguous layout needs only each rank's two
+neighbours, yet one-way block j makes P-1 hops to reach rank j-1; non-causal documents
+that span ranks on both sides of j do the same. Here each block has two arcs: it goes
+``up`` hops towards rank+1, rank+2, ... and ``down`` hops towards rank-1, ..., the
+shortest pair of arcs that covers every rank needing it (``arcs``). Every step posts the
+transfers of both directions in one group, so each rank's t-th group pairs with its
+neighbours' t-th groups as an in-order transport (NCCL) needs, and a rank computes with
+up to two blocks a step (in a fixed order: its own, then up, then down: results stay
+bitwise reproducible).
+
+Forward: K/V travel. Backward: a gradient partial accumulated along an arc could only get
+home by travelling back, so instead nothing comes home: K/V travel along their arcs and
+Q/dO/D/lse along theirs, and a rank computes dQ of its own queries with every K/V block
+that reaches it and dK/dV of its own keys with every Q block that reaches it. burstmpi's
+CUDA kernels compute dQ and dK/dV in separate kernels anyway, so this costs the GPU no
+extra work; the NumPy backend recomputes the scores once more (7 tile GEMMs per block
+pair instead of 5), which is why "auto" picks this backward only on backends where the
+split is free (``BurstAttention.choose_bwd_mode``). Used from 3 ranks up: with 2 ranks
+both directions reach the same neighbour.
+"""
+
+import time
+
+from .comm import Channel
+from .ring import Timer, backward_operands, finish_gradients, packet_dims, packet_fields
+
+__all__ = ["arcs", "TwoWaySchedule", "two_way_bytes", "forward", "backward"]
+
+TAG_UP, TAG_DOWN, TAG_Q_UP, TAG_Q_DOWN = 31, 32, 33, 34
+
+
+def arcs(needs, owner):
+    """(up, down): the hops the owner's packet makes towards rank+1 and towards rank-1.
+
+    The shortest pair of arcs covering every holder that needs it (fewest hops in all,
+    then the fewest steps), from ``needs[holder, owner]``."""
+    P = needs.shape[0]
+    offsets = [s for s in range(1, P) if needs[(owner + s) % P, owner]]  # increasing
+    best = None
+    for i in range(len(offsets) + 1):  # offsets[:i] are reached going up, the rest going down
+        up = offsets[i - 1] if i else 0
+        down = P - offsets[i] if i < len(offsets) else 0
+        key = (up + down, max(up, down), i)
+        if best is None or key < best[0]:
+            best = (key, up, down)
+    return best[1], best[2]
+
+
+def two_way_bytes(needs, packet_bytes):
+    """Bytes the whole ring sends in one phase when every packet travels its two arcs."""
+    return packet_bytes * sum(sum(arcs(needs, o)) for o in range(needs.shape[0]))
+
+
+class _Direction:
+    """One direction's plan for one rank: which packet it holds at each step, whether it
+    computes with it, and the transfers after each step."""
+
+    def __init__(self, needs, rank, reach, sign, steps):
+        P = needs.shape[0]
+        self.owners = [(rank - sign * t) % P for t in range(steps)]
+        holds = [t == 0 or t <= reach[o] for t, o in enumerate(self.owners)]
+        self.compute = [t > 0 and holds[t] and bool(needs[rank, o]) for t, o in enumerate(self.owners)]
+        self.send = [holds[t] and t + 1 <= reach[self.owners[t]] for t in range(steps - 1)]
+        self.recv = [t + 1 <= reach[self.owners[t + 1]] for t in range(steps - 1)]
+
+
+class TwoWaySchedule:
+    """The two-way plan of one phase, seen from one rank (``needs[holder, owner]`` as in
+    ``schedule.Schedule``). ``steps`` may pad the plan to run in lockstep with another."""
+
+    def __init__(self, needs, rank, steps=None):
+        P = needs.shape[0]
+        reach = [arcs(needs, o) for o in range(P)]
+        self.steps = steps or 1 + max(max(r) for r in reach)
+        self.local = bool(needs[rank, rank])
+        self.up = _Direction(needs, rank, [r[0] for r in reach], +1, self.steps)
+        self.down = _Direction(needs, rank, [r[1] for r in reach], -1, self.steps)
+
+
+def _run(plan, steps, channels, timer, compute):
+    """The double-buffering rhythm with two directions: each step posts the transfers of
+    every (channel, direction plan) in ``channels`` as one group, runs ``compute(t)``,
+    then waits for them."""
+    for t in range(steps):
+        more = t < steps - 1
+        with plan.transport.group():
+            if more:
+                for chan, d in channels:
+                    chan.post(send=d.send[t], recv=d.recv[t])
+        compute(t)
+        if more:
+            for chan, _ in channels:
+                timer.run("wait", chan.wait)
+
+
+def forward(plan, q, k, v, dims):
+    """Return (out, lse, stats), K/V travelling two ways."""
+    from .ring import _from_rows, _rows
+
+    be, xp = plan.backend, plan.backend.xp
+    B, C, Z, Zkv, d, dv = dims
+    acc = be.acc_dtype(q.dtype)
+    geo = plan.geometry
+    packet, _ = packet_fields("forward", packet_dims(plan, dims), q.dtype, acc)
+    sched = TwoWaySchedule(geo.needs("forward"), plan.rank)
+    up, down = plan.channels("forward-two-way", [(Channel, packet, TAG_UP, +1), (Channel, packet, TAG_DOWN, -1)])
+    timer, t_start = Timer(), time.perf_counter()
+    for chan in (up, down):
+        chan.current["k"][:, :, :C] = k.transpose(0, 2, 1, 3)
+        chan.current["v"][:, :, :C] = v.transpose(0, 2, 1, 3)
+    q_rows = _rows(q, Zkv)
+    state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
+    qb = geo.query_block(plan.rank)
+    owners = []
+    poll = lambda: (up.progress(), down.progress())
+
+    def block(chan, owner):
+        n = plan.layout.count(owner)
+        owners.append(owner)
+        timer.run("compute", be.fwd_block, q_rows, chan.current["k"][:, :, :n], chan.current["v"][:, :, :n],
+                  state, qb, geo.key_block(owner), plan.scale, poll=poll)
+
+    def compute(t):
+        if t == 0:
+            if sched.local:
+                block(up, plan.rank)
+            return
+        for chan, dplan in ((up, sched.up), (down, sched.down)):
+            if dplan.compute[t]:
+                block(chan, dplan.owners[t])
+
+    _run(plan, sched.steps, [(up, sched.up), (down, sched.down)], timer, compute)
+    out_rows, lse_rows = be.fwd_finalize(state, q.dtype)
+    out = _from_rows(xp, out_rows, q.dtype)
+    lse = xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
+    pairs = sum(geo.pairs[plan.rank, o] for o in owners)
+    return out, lse, plan.phase_stats([up, down], owners, pairs, 0, timer, t_start)
+
+
+def backward(plan, dout, q, k, v, out, lse, dims):
+    """Return (dq, dk, dv, stats): K/V and Q/dO/D/lse travel two ways, nothing comes home."""
+    be = plan.backend
+    B, C, Z, Zkv, d, dv = dims
+    acc = be.acc_dtype(q.dtype)
+    geo = plan.geometry
+    pdims = packet_dims(plan, dims)
+    kv_fields, _ = packet_fields("forward", pdims, q.dtype, acc)
+    q_fields, _ = packet_fields("burst", pdims, q.dtype, acc)
+    kv_needs, q_needs = geo.needs("forward"), geo.needs("burst")
+    steps = max(TwoWaySchedule(kv_needs, plan.rank).steps, TwoWaySchedule(q_needs, plan.rank).steps)
+    kv_s, q_s = TwoWaySchedule(kv_needs, plan.rank, steps), TwoWaySchedule(q_needs, plan.rank, steps)
+    kvu, kvd, qu, qd = plan.channels("two-way", [
+        (Channel, kv_fields, TAG_UP, +1), (Channel, kv_fields, TAG_DOWN, -1),
+        (Channel, q_fields, TAG_Q_UP, +1), (Channel, q_fields, TAG_Q_DOWN, -1)])
+    timer, t_start = Timer(), time.perf_counter()
+    home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
+    for chans, home in (((kvu, kvd), home_k), ((qu, qd), home_q)):
+        for chan in chans:
+            for name, view in chan.current.items():
+                view[:, :, :C] = home[name]
+    rows = lambda fields, n: {name: view[:, :, :n] for name, view in fields.items()}
+    qb_home, kb_home = geo.query_block(plan.rank), geo.key_block(plan.rank)
+    owners, pairs = [], 0
+    chans = (kvu, kvd, qu, qd)
+    poll = lambda: [c.progress() for c in chans]
+
+    def run(qs, ks, dq, dk, dv_, qb, kb):
+        timer.run("compute", be.bwd_block, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
+                  dq, dk, dv_, qb, kb, plan.scale, poll=poll)
+
+    def compute(t):
+        nonlocal pairs
+        if t == 0:
+            if kv_s.local:
+                owners.append(plan.rank)
+                pairs += geo.pairs[plan.rank, plan.rank]
+                run(home_q, home_k, grads["dq"], grads["dk"], grads["dv"], qb_home, kb_home)
+            return
+        for chan, dplan in ((kvu, kv_s.up), (kvd, kv_s.down)):
+            if dplan.compute[t]:  # their keys: dQ of our queries
+                o = dplan.owners[t]
+                owners.append(o)
+                pairs += geo.pairs[plan.rank, o]
+                run(home_q, rows(chan.current, plan.layout.count(o)), grads["dq"], None, None,
+                    qb_home, geo.key_block(o))
+        for chan, dplan in ((qu, q_s.up), (qd, q_s.down)):
+            if dplan.compute[t]:  # their queries: dK, dV of our keys
+                o = dplan.owners[t]
+                owners.append(o)
+                pairs += geo.pairs[o, plan.rank]
+                run(rows(chan.current, plan.layout.count(o)), home_k, None, grads["dk"], grads["dv"],
+                    geo.query_block(o), kb_home)
+
+    _run(plan, steps, [(kvu, kv_s.up), (kvd, kv_s.down), (qu, q_s.up), (qd, q_s.down)], timer, compute)
+    dq, dk, dvv = finish_gradients(be.xp, grads, q.dtype, plan.scale)
+    return dq, dk, dvv, plan.phase_stats(list(chans), owners, pairs, 0, timer, t_start)
