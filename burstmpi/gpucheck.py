@@ -89,27 +89,31 @@ def _problem(B, N, Z, Zkv, d, dtype, seed):
 
 
 def check_one_rank(cupy, rep, quick):
-    masks = {"none": (False, None), "causal": (True, None), "window": (False, (200, 50))}
+    # Packed documents: 1-token and empty ones, and documents crossing every 64-row tile.
+    docs = np.array([0, 1, 1, 90, 333, 334, 600, 777])
+    masks = {"none": (False, None, None), "causal": (True, None, None), "window": (False, (200, 50), None),
+             "docs": (True, None, docs)}
     dims = [(64, 64), (128, 128)] if not quick else [(128, 128)]
     comm = MPI.COMM_SELF
     for dtype in DTYPES:
         for d, dv in dims:
-            for mask, (causal, window) in masks.items():
+            for mask, (causal, window, cu) in masks.items():
                 q, k, v, do = _problem(1, 777, 8, 2, d, dtype, seed=d)
                 opts = dict(causal=causal, window=window)
                 gpu = BurstAttention(comm, backend="cuda", **opts)
                 host = BurstAttention(comm, backend="numpy", **opts)
                 gq, gk, gv, gdo = (cupy.asarray(x) for x in (q, k, v, do))
                 t0 = time.perf_counter()
-                out, lse = gpu.forward(gq, gk, gv)
-                grads = gpu.backward(gdo, gq, gk, gv, out, lse)
+                out, lse = gpu.forward(gq, gk, gv, cu_seqlens=cu)
+                grads = gpu.backward(gdo, gq, gk, gv, out, lse, cu_seqlens=cu)
                 cupy.cuda.get_current_stream().synchronize()
                 secs = time.perf_counter() - t0
-                ho, hl = host.forward(q, k, v)
-                hgrads = host.backward(do, q, k, v, ho, hl)
-                exact = ref.forward(q, k, v, **opts) + ref.backward(do, q, k, v, **opts)
-                plain = (ref.forward(q, k, v, precision="plain", **opts)
-                         + ref.backward(do, q, k, v, precision="plain", **opts))
+                ho, hl = host.forward(q, k, v, cu_seqlens=cu)
+                hgrads = host.backward(do, q, k, v, ho, hl, cu_seqlens=cu)
+                exact = (ref.forward(q, k, v, cu_seqlens=cu, **opts)
+                         + ref.backward(do, q, k, v, cu_seqlens=cu, **opts))
+                plain = (ref.forward(q, k, v, precision="plain", cu_seqlens=cu, **opts)
+                         + ref.backward(do, q, k, v, precision="plain", cu_seqlens=cu, **opts))
                 errs, ok_all = [], True
                 for ours, nb, e, p in zip((out, lse) + grads, (ho, hl) + hgrads, exact, plain):
                     ok, err = _within(ours, e, p, dtype)
@@ -150,27 +154,34 @@ def ranks_worker(transport, seqlen_local):
     bad = []
     import cupy
 
-    for dtype in ("bfloat16", "float32"):
-        for layout, causal in (("zigzag", True), ("contiguous", False)):
-            for mode in ("burst", "ring"):
-                q, k, v, do = _problem(1, P * seqlen_local, 4, 2, 64, dtype, seed=P)
-                plan = BurstAttention(causal=causal, layout=layout, bwd_comm=mode, backend="cuda",
-                                      transport=transport)
-                from .api import shard, unshard
+    from .api import shard, unshard
 
-                loc = [cupy.asarray(shard(x, layout=layout)) for x in (q, k, v, do)]
-                out, lse = plan.forward(*loc[:3])
-                grads = plan.backward(loc[3], *loc[:3], out, lse)
-                un = lambda x, axis=1: unshard(cupy.asnumpy(x), layout=layout, axis=axis)
+    n = P * seqlen_local
+    docs = np.array([0, 1, n // 3, n // 3, n // 2 + 7, n - 5])  # any length, packed documents
+    cases = [("zigzag", True, None, None, n, ("burst", "ring")),
+             ("contiguous", False, None, None, n, ("burst", "ring")),
+             ("zigzag", True, None, docs, n - 5, ("burst", "ring")),
+             ("contiguous", False, (40, 40), None, n - 3, ("two-way",))]
+    for dtype in ("bfloat16", "float32"):
+        for layout, causal, window, cu, N, modes in cases:
+            for mode in modes:
+                q, k, v, do = _problem(1, N, 4, 2, 64, dtype, seed=P)
+                plan = BurstAttention(causal=causal, window=window, layout=layout, bwd_comm=mode,
+                                      backend="cuda", transport=transport)
+                loc = [cupy.asarray(shard(x, layout=layout, cu_seqlens=cu)) for x in (q, k, v, do)]
+                out, lse = plan.forward(*loc[:3], cu_seqlens=cu)
+                grads = plan.backward(loc[3], *loc[:3], out, lse, cu_seqlens=cu)
+                un = lambda x, axis=1: unshard(cupy.asnumpy(x), layout=layout, axis=axis, cu_seqlens=cu)
                 ours = (un(out), un(lse, 2)) + tuple(un(g) for g in grads)
-                opts = dict(causal=causal)
+                opts = dict(causal=causal, window=window, cu_seqlens=cu)
                 exact = ref.forward(q, k, v, **opts) + ref.backward(do, q, k, v, **opts)
                 plain = (ref.forward(q, k, v, precision="plain", **opts)
                          + ref.backward(do, q, k, v, precision="plain", **opts))
+                what = f"{dtype} {layout} N={N} causal={causal} window={window} docs={cu is not None} {mode}"
                 for name, o, e, p in zip(("out", "lse", "dq", "dk", "dv"), ours, exact, plain):
                     ok, err = _within(o, e, p, dtype)
                     if not ok:
-                        bad.append(f"r{rank} {dtype} {layout} causal={causal} {mode} {name}: {err:.2e}")
+                        bad.append(f"r{rank} {what} {name}: {err:.2e}")
                 st = plan.last_stats
                 if rank == 0 and dtype == "bfloat16" and mode == "burst":
                     print(f"  P={P} {layout:10s} causal={causal!s:5s} transport={st.transport} "

@@ -267,15 +267,17 @@ def _tiled(kind, dtype, d, dv, rows, heads, batch, smem_limit, part=0):
             smem_bytes(kind, dtype, d, dv, cfg))
 
 
-def _window(lo, hi, scale):
-    return (("q", int(lo)), ("q", int(hi)), ("f", float(scale)))
+def _pointers(*ptrs):
+    return tuple(("p", int(p)) for p in ptrs)
 
 
-def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qpos, kpos, batch, cq, ck, heads, kv_heads,
-        lo, hi, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qfirst, qlast, kpos, batch, cq, ck, heads,
+        kv_heads, scale, smem_limit=SMEM_LIMIT["sm_80"]):
     """Merge one key block into the running state (acc, m, l) of cq query rows.
 
-    ``m`` and ``l`` share one set of strides."""
+    The mask is per-row intervals (cuda/mask.cuh): ``qfirst``, ``qlast`` point to int32
+    arrays of cq entries, the first and last key position each query row sees; ``kpos``
+    to the ck key rows' positions. ``m`` and ``l`` share one set of strides."""
     _kind("fwd", (("q", q), ("acc", acc), ("m", m), ("l", l)), (("k", k), ("v", v)))
     _heads("fwd", heads, kv_heads)
     if tuple(m[1:]) != tuple(l[1:]):
@@ -283,9 +285,9 @@ def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qpos, kpos, batch, cq, ck, heads, k
     for name, t in (("q", q), ("k", k), ("v", v)):
         _aligned("fwd", name, t, dtype)
     name, grid, block, smem = _tiled("fwd", dtype, d, dv, cq, heads, batch, smem_limit)
-    args = (tuple(("p", t.ptr) for t in (q, k, v, acc, m, l)) + (("p", qpos), ("p", kpos))
+    args = (tuple(("p", t.ptr) for t in (q, k, v, acc, m, l)) + _pointers(qfirst, qlast, kpos)
             + _strides(q, k, v, acc, m)
-            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
+            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads), ("f", float(scale))))
     return Launch(name, grid, block, smem, args, (dtype, d, dv))
 
 
@@ -323,35 +325,40 @@ def bwd_preprocess(dtype, dv, *, dsum, dout, out, batch, c, heads, kv_heads):
     return spec._replace(module=_rowwise_module(dtype, dv))
 
 
-def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, qpos, kpos, cq, ck, heads, kv_heads,
-              lo, hi, scale):
-    """Checked arguments of the dQ and dK/dV kernels, which differ only in ``grads``."""
+def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, mask, cq, ck, heads, kv_heads, scale):
+    """Checked arguments of the dQ and dK/dV kernels, which differ only in ``grads`` and
+    in the side the three mask pointers describe (``mask``, in parameter order)."""
     grouped = [("q", q), ("dout", dout), ("lse", lse), ("dsum", dsum)]
     _kind(fn, grouped + ([("dq", grads[0])] if len(grads) == 1 else []),
           [("k", k), ("v", v)] + ([("dk", grads[0]), ("dv", grads[1])] if len(grads) == 2 else []))
     _heads(fn, heads, kv_heads)
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         _aligned(fn, name, t, dtype)
-    return (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, *grads)) + (("p", qpos), ("p", kpos))
+    return (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, *grads)) + _pointers(*mask)
             + _strides(q, k, v, dout, lse, dsum, *grads)
-            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads)) + _window(lo, hi, scale))
+            + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads), ("f", float(scale))))
 
 
-def bwd_dq(dtype, d, dv, *, q, k, v, dout, lse, dsum, dq, qpos, kpos, batch, cq, ck, heads,
-           kv_heads, lo, hi, scale, smem_limit=SMEM_LIMIT["sm_80"]):
-    """Add dS K (unscaled) for one (query block, key block) pair to dq (fp32)."""
-    args = _bwd_args("bwd_dq", dtype, q, k, v, dout, lse, dsum, (dq,), qpos, kpos, cq, ck, heads,
-                     kv_heads, lo, hi, scale)
+def bwd_dq(dtype, d, dv, *, q, k, v, dout, lse, dsum, dq, qfirst, qlast, kpos, batch, cq, ck,
+           heads, kv_heads, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+    """Add dS K (unscaled) for one (query block, key block) pair to dq (fp32).
+
+    The mask as in :func:`fwd`: per query row its visible key interval, per key its
+    position (int32 device arrays)."""
+    args = _bwd_args("bwd_dq", dtype, q, k, v, dout, lse, dsum, (dq,), (qfirst, qlast, kpos),
+                     cq, ck, heads, kv_heads, scale)
     return Launch(*_tiled("dq", dtype, d, dv, cq, heads, batch, smem_limit), args, (dtype, d, dv))
 
 
-def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kpos, batch, cq, ck,
-             heads, kv_heads, lo, hi, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kfirst, klast, batch,
+             cq, ck, heads, kv_heads, scale, smem_limit=SMEM_LIMIT["sm_80"]):
     """Add the dK (scaled) and dV of one (query block, key block) pair to dk, dv_ (fp32).
 
-    Returns a tuple of launches, to run in order (two for the largest head dims)."""
-    args = _bwd_args("bwd_dkdv", dtype, q, k, v, dout, lse, dsum, (dk, dv_), qpos, kpos, cq, ck,
-                     heads, kv_heads, lo, hi, scale)
+    The mask from the keys' side: per query row its position (``qpos``), per key row the
+    first and last query position that sees it (``kfirst``, ``klast``), int32 device
+    arrays. Returns a tuple of launches, to run in order (two for the largest head dims)."""
+    args = _bwd_args("bwd_dkdv", dtype, q, k, v, dout, lse, dsum, (dk, dv_), (qpos, kfirst, klast),
+                     cq, ck, heads, kv_heads, scale)
     return tuple(Launch(*_tiled("dkdv", dtype, d, dv, ck, kv_heads, batch, smem_limit, part), args,
                         (dtype, d, dv))
                  for part in dkdv_parts(d, dv))

@@ -71,10 +71,12 @@ class Block(NamedTuple):
 
     ``pos`` are the rows' global positions, increasing; ``first``/``last`` bound the
     positions the rows see on the other side: keys for a query block, queries for a
-    key block."""
+    key block; ``start`` is where each row's document starts (0 without documents), so
+    a tiled backend can align its tiles to documents."""
     pos: np.ndarray
     first: np.ndarray
     last: np.ndarray
+    start: np.ndarray
 
 
 class Mask:
@@ -92,27 +94,25 @@ class Mask:
     def _doc_range(self, pos):
         """(start, end) of the document holding each position: [0, seqlen) without documents."""
         if self.cu_seqlens is None:
-            return 0, self.seqlen
+            return np.zeros_like(pos), self.seqlen
         # side="right" skips empty documents (repeated offsets): the last offset <= pos
         # starts the document that really holds pos.
         doc = np.searchsorted(self.cu_seqlens, pos, side="right") - 1
         return self.cu_seqlens[doc], self.cu_seqlens[doc + 1]
 
-    def _bounds(self, pos, before, after):
+    def _block(self, pos, before, after):
         pos = np.asarray(pos, dtype=np.int64)
         start, end = self._doc_range(pos)
-        return (np.maximum(pos - min(before, self.seqlen), start),
-                np.minimum(pos + min(after, self.seqlen), end - 1))
+        return Block(pos, np.maximum(pos - min(before, self.seqlen), start),
+                     np.minimum(pos + min(after, self.seqlen), end - 1), start)
 
     def query_block(self, pos):
         """A query block: each row sees the keys in [first, last]."""
-        pos = np.asarray(pos, dtype=np.int64)
-        return Block(pos, *self._bounds(pos, self.window.lo, self.window.hi))
+        return self._block(pos, self.window.lo, self.window.hi)
 
     def key_block(self, pos):
         """A key block: each row is seen by the queries in [first, last]."""
-        pos = np.asarray(pos, dtype=np.int64)
-        return Block(pos, *self._bounds(pos, self.window.hi, self.window.lo))
+        return self._block(pos, self.window.hi, self.window.lo)
 
     def visible(self, qpos, kpos):
         """Boolean (len(qpos), len(kpos)) mask of visible pairs (quadratic: tests only)."""

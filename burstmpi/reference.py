@@ -105,8 +105,8 @@ def backward(dout, q, k, v, *, causal=False, window=None, softmax_scale=None, pr
     dq = rnd((ds @ kh) * ct(scale))
     dk = rnd((ds.swapaxes(-1, -2) @ qh) * ct(scale))
 
-    def fold(x):  # sum query-head gradients back onto their KV head
-        return x.reshape(B, Zkv, Z // Zkv, N, -1).sum(axis=2).transpose(0, 2, 1, 3)
+    def fold(x):  # sum query-head gradients back onto their KV head, as returned: in the dtype
+        return rnd(x.reshape(B, Zkv, Z // Zkv, N, -1).sum(axis=2).transpose(0, 2, 1, 3))
 
     return dq.transpose(0, 2, 1, 3), fold(dk), fold(dv)
 

@@ -17,8 +17,10 @@
 //   grid (ceil(Cq / BM), heads, batch), BM = 16 * WARPS query rows; warp w owns rows
 //   16w .. 16w+15. Shared memory: Q (BM x D) and dO (BM x DV) once; K (BN x D) and V
 //   (BN x DV) per key tile; the float path's P scratch, WARPS x 16 x (BN + 4) fp32.
-//   Reads q, k, v, dout (T), lse, Dsum (fp32), qpos, kpos. Adds dS K to dq (fp32, in place,
-//   WITHOUT the softmax scale: the ring applies it once, at home).
+//   Reads q, k, v, dout (T), lse, Dsum (fp32) and the mask as in burst_fwd: qfirst, qlast
+//   (int32, per query row the positions of the first and last key it sees) and kpos (per
+//   key row its position). Adds dS K to dq (fp32, in place, WITHOUT the softmax scale:
+//   the ring applies it once, at home).
 //
 // burst_bwd_dkdv<T, D, DV, WARPS, BN, PART>
 //   grid (ceil(Ck / BM), kv_heads, batch), BM = 16 * WARPS key rows; warp w owns key rows
@@ -27,7 +29,13 @@
 //   accumulators (D/2 + DV/2 registers a thread) cannot share the register file, two
 //   launches split the work, PART 1 (dV only) and PART 2 (dK only, recomputing P). Shared memory: K (BM x D), V (BM x DV) once; Q (BN x D),
 //   dO (BN x DV), lse and D (BN fp32 each) per query tile; the float path's P scratch.
-//   Reads the same as burst_bwd_dq; adds to dk (scaled) and dv (fp32, in place).
+//   Reads the same tensors as burst_bwd_dq, and the mask from the keys' side: qpos (int32,
+//   per query row its position) and kfirst, klast (per key row the positions of the
+//   first and last query that sees it; cuda/mask.cuh). Adds to dk (scaled) and dv (fp32,
+//   in place).
+//
+// Both tiled kernels skip the column tiles no row of the block sees and run the tiles
+// every row sees entirely without per-element masks, as the forward does.
 //
 // lse = -inf (a row that saw no key) is read as +inf, so that exp(s - lse) is 0 there.
 // Strides as in attn_fwd.cu: four for query-side tensors, three for key-side ones.
@@ -63,7 +71,8 @@ template <class T, int D, int DV, int WARPS, int BN>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dsum,
-             float* __restrict__ dq, const int* __restrict__ qpos, const int* __restrict__ kpos,
+             float* __restrict__ dq, const int* __restrict__ qfirst, const int* __restrict__ qlast,
+             const int* __restrict__ kpos,
              long long q_sb, long long q_st, long long q_skv, long long q_sg,
              long long k_sb, long long k_st, long long k_sh,
              long long v_sb, long long v_st, long long v_sh,
@@ -71,8 +80,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              long long r_sb, long long r_st, long long r_skv, long long r_sg,
              long long ds_sb, long long ds_st, long long ds_skv, long long ds_sg,
              long long dq_sb, long long dq_st, long long dq_skv, long long dq_sg,
-             int Cq, int Ck, int heads, int kv_heads,
-             long long lo, long long hi, float scale) {
+             int Cq, int Ck, int heads, int kv_heads, float scale) {
     constexpr int BM = 16 * WARPS, NT = BN / 8, NQ = D / 8;
     using QK = smem_tile<T, D>;
     using VV = smem_tile<T, DV>;
@@ -93,7 +101,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     load_rows_async<T, DV>(dOs, dout + b * do_sb + hk * do_skv + gi * do_sg + q0 * do_st, do_st, BM, rows_valid);
     cp_async_commit();
 
-    int row[2], qp[2];
+    int row[2], qf[2], ql[2];
     float lse2[2], Drow[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -101,7 +109,8 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         const bool ok = row[i] < Cq;
         const long long r = b * r_sb + row[i] * r_st + hk * r_skv + gi * r_sg;
         const long long rd = b * ds_sb + row[i] * ds_st + hk * ds_skv + gi * ds_sg;
-        qp[i] = ok ? qpos[row[i]] : 0;
+        qf[i] = ok ? qfirst[row[i]] : 0;
+        ql[i] = ok ? qlast[row[i]] : -1;  // rows past the end see nothing
         lse2[i] = ok ? lse_log2(lse[r]) : pos_inf();
         Drow[i] = ok ? Dsum[rd] : 0.f;
     }
@@ -111,11 +120,13 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-    const int qmin = qpos[q0], qmax = qpos[q0 + rows_valid - 1];
+    // The block's first and last valid rows bound every row's interval (mask.cuh).
+    const int r1 = q0 + rows_valid - 1;
+    const int first0 = qfirst[q0], last0 = qlast[q0], first1 = qfirst[r1], last1 = qlast[r1];
     const float scale_log2 = scale * BURST_LOG2E;
     for (int c0 = 0; c0 < Ck; c0 += BN) {
         const int kn = imin(BN, Ck - c0);
-        const int cls = classify_tile(qmin, qmax, kpos[c0], kpos[c0 + kn - 1], lo, hi);
+        const int cls = classify_tile(first0, last0, first1, last1, kpos[c0], kpos[c0 + kn - 1]);
         if (cls == TILE_EMPTY) continue;  // block-uniform
         __syncthreads();  // every warp is done with the previous K and V tiles
         load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, kn);
@@ -133,7 +144,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = e >> 1, col = 8 * j + 2 * t + (e & 1);
-                const bool off = masked && (col >= kn || !key_visible(qp[i], kpos[c0 + col], lo, hi));
+                const bool off = masked && (col >= kn || !in_interval(qf[i], ql[i], kpos[c0 + col]));
                 const float pv = off ? 0.f : fast_exp2(p[j][e] * scale_log2 - lse2[i]);
                 p[j][e] = pv * (dp[j][e] - Drow[i]);  // dS = P * (dP - D)
             }
@@ -158,7 +169,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dsum,
                float* __restrict__ dk, float* __restrict__ dv,
-               const int* __restrict__ qpos, const int* __restrict__ kpos,
+               const int* __restrict__ qpos, const int* __restrict__ kfirst,
+               const int* __restrict__ klast,
                long long q_sb, long long q_st, long long q_skv, long long q_sg,
                long long k_sb, long long k_st, long long k_sh,
                long long v_sb, long long v_st, long long v_sh,
@@ -167,8 +179,7 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                long long ds_sb, long long ds_st, long long ds_skv, long long ds_sg,
                long long dk_sb, long long dk_st, long long dk_sh,
                long long dv_sb, long long dv_st, long long dv_sh,
-               int Cq, int Ck, int heads, int kv_heads,
-               long long lo, long long hi, float scale) {
+               int Cq, int Ck, int heads, int kv_heads, float scale) {
     constexpr int BM = 16 * WARPS, NT = BN / 8, NK = D / 8, NV = DV / 8;
     constexpr bool WANT_DK = PART != 1, WANT_DV = PART != 2;
     using QK = smem_tile<T, D>;
@@ -190,11 +201,13 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     load_rows_async<T, DV>(Vs, v + b * v_sb + hk * v_sh + k0 * v_st, v_st, BM, keys_valid);
     cp_async_commit();
 
-    int kp[2];
+    // This thread's two key rows and the interval of queries that see each.
+    int kf[2], kl[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int key = k0 + warp * 16 + g + 8 * i;
-        kp[i] = key < Ck ? kpos[key] : 0;
+        kf[i] = key < Ck ? kfirst[key] : 0;
+        kl[i] = key < Ck ? klast[key] : -1;  // rows past the end are seen by no query
     }
     float dk_acc[WANT_DK ? NK : 1][4], dv_acc[WANT_DV ? NV : 1][4];
 #pragma unroll
@@ -206,14 +219,16 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 #pragma unroll
         for (int e = 0; e < 4; ++e) dv_acc[j][e] = 0.f;
 
-    const int kmin = kpos[k0], kmax = kpos[k0 + keys_valid - 1];
+    // The block's first and last valid key rows bound every row's interval (mask.cuh).
+    const int k1 = k0 + keys_valid - 1;
+    const int first0 = kfirst[k0], last0 = klast[k0], first1 = kfirst[k1], last1 = klast[k1];
     const float scale_log2 = scale * BURST_LOG2E;
     for (int gi = 0; gi < group; ++gi) {
         const T* qb = q + b * q_sb + hk * q_skv + gi * q_sg;
         const T* dob = dout + b * do_sb + hk * do_skv + gi * do_sg;
         for (int c0 = 0; c0 < Cq; c0 += BN) {
             const int qn = imin(BN, Cq - c0);
-            const int cls = classify_tile(qpos[c0], qpos[c0 + qn - 1], kmin, kmax, lo, hi);
+            const int cls = classify_tile(first0, last0, first1, last1, qpos[c0], qpos[c0 + qn - 1]);
             if (cls == TILE_EMPTY) continue;  // block-uniform
             __syncthreads();  // every warp is done with the previous query tile
             load_rows_async<T, D>(Qs, qb + c0 * q_st, q_st, BN, qn);
@@ -237,7 +252,7 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = 8 * j + 2 * t + (e & 1);
-                    const bool off = masked && (col >= qn || !key_visible(qpos[c0 + col], kp[e >> 1], lo, hi));
+                    const bool off = masked && (col >= qn || !in_interval(kf[e >> 1], kl[e >> 1], qpos[c0 + col]));
                     p[j][e] = off ? 0.f : fast_exp2(p[j][e] * scale_log2 - lse_s[col]);
                 }
             if constexpr (WANT_DV) warp_gemm_pv<T, NV, NT>(dv_acc, p, dOs, VV::ld, scratch);  // dV += P^T dO

@@ -9,9 +9,13 @@
 //     K tile  BN x D    } reloaded for every key tile that is not masked away entirely;
 //     V tile  BN x DV   } K(i+1) loads during P V of tile i, V(i) during Q K^T of tile i
 //     float-only P scratch, WARPS x 16 x (BN + 4) fp32 (see tile.cuh)
-//   Reads   q (T), k, v (T), qpos, kpos (int32 global positions), and the running state
-//           acc (fp32, unnormalised output), m (fp32 running max of the scaled scores,
-//           natural-log units), l (fp32 running sum of exp(s - m)).
+//   Reads   q (T), k, v (T); the mask (cuda/mask.cuh) as int32 arrays: qfirst, qlast
+//           (per query row, the global positions of the first and last key it sees) and
+//           kpos (per key row, its global position); and the running state acc (fp32,
+//           unnormalised output), m (fp32 running max of the scaled scores, natural-log
+//           units), l (fp32 running sum of exp(s - m)).
+//           Key tiles no row of the block sees are skipped (neither loaded nor computed);
+//           tiles every row sees entirely run without per-element masks.
 //   Writes  acc, m, l in place: the ring merge (GAO) happens inside the tile loop, exactly
 //           as FlashAttention-2 merges one key tile into the next. A fresh state is
 //           acc = 0, m = -inf, l = 0.
@@ -35,14 +39,14 @@ template <class T, int D, int DV, int WARPS, int BN>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l,
-          const int* __restrict__ qpos, const int* __restrict__ kpos,
+          const int* __restrict__ qfirst, const int* __restrict__ qlast,
+          const int* __restrict__ kpos,
           long long q_sb, long long q_st, long long q_skv, long long q_sg,
           long long k_sb, long long k_st, long long k_sh,
           long long v_sb, long long v_st, long long v_sh,
           long long a_sb, long long a_st, long long a_skv, long long a_sg,
           long long r_sb, long long r_st, long long r_skv, long long r_sg,
-          int Cq, int Ck, int heads, int kv_heads,
-          long long lo, long long hi, float scale) {
+          int Cq, int Ck, int heads, int kv_heads, float scale) {
     constexpr int BM = 16 * WARPS, NT = BN / 8, NO = DV / 8;
     using QK = smem_tile<T, D>;
     using VV = smem_tile<T, DV>;
@@ -61,9 +65,10 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     load_rows_async<T, D>(Qs, q + b * q_sb + hk * q_skv + gi * q_sg + q0 * q_st, q_st, BM, rows_valid);
     cp_async_commit();
 
-    // This thread's two rows (g and g+8 of its warp's 16), their state and positions.
-    // Inside the kernel m is kept in log2 units so that every exponential is one ex2.
-    int row[2], qp[2];
+    // This thread's two rows (g and g+8 of its warp's 16), their state and visible key
+    // intervals. Inside the kernel m is kept in log2 units so that every exponential is
+    // one ex2.
+    int row[2], qf[2], ql[2];
     float mrow[2], lrow[2], o[NO][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -71,7 +76,8 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         const bool ok = row[i] < Cq;
         const long long r = b * r_sb + row[i] * r_st + hk * r_skv + gi * r_sg;
         const float* a = acc + b * a_sb + row[i] * a_st + hk * a_skv + gi * a_sg;
-        qp[i] = ok ? qpos[row[i]] : 0;
+        qf[i] = ok ? qfirst[row[i]] : 0;
+        ql[i] = ok ? qlast[row[i]] : -1;  // rows past the end see nothing
         mrow[i] = ok ? m[r] * BURST_LOG2E : neg_inf();
         lrow[i] = ok ? l[r] : 0.f;
 #pragma unroll
@@ -81,20 +87,22 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         }
     }
 
-    const int qmin = qpos[q0], qmax = qpos[q0 + rows_valid - 1];
+    // The block's first and last valid rows bound every row's interval (mask.cuh).
+    const int r1 = q0 + rows_valid - 1;
+    const int first0 = qfirst[q0], last0 = qlast[q0], first1 = qfirst[r1], last1 = qlast[r1];
     const float scale_log2 = scale * BURST_LOG2E;
     // Key tiles that no query of this block can see are skipped (block-uniform, so no
     // barrier is ever skipped by some threads only). The loads are pipelined as in
     // FlashAttention-2: K of the next tile streams in during this tile's P V product, V of
     // this tile during its Q K^T.
-    int c0 = next_visible_tile(kpos, 0, Ck, BN, qmin, qmax, lo, hi);
+    int c0 = next_visible_tile(kpos, 0, Ck, BN, first0, last1);
     if (c0 < Ck) {
         load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, imin(BN, Ck - c0));
         cp_async_commit();
     }
     while (c0 < Ck) {
         const int kn = imin(BN, Ck - c0);
-        const int cls = classify_tile(qmin, qmax, kpos[c0], kpos[c0 + kn - 1], lo, hi);
+        const int cls = classify_tile(first0, last0, first1, last1, kpos[c0], kpos[c0 + kn - 1]);
         __syncthreads();  // every warp is done with the previous V tile
         load_rows_async<T, DV>(Vs, vb + c0 * v_st, v_st, BN, kn);
         cp_async_commit();
@@ -109,7 +117,7 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = 8 * j + 2 * t + (e & 1);
-                const bool off = masked && (col >= kn || !key_visible(qp[e >> 1], kpos[c0 + col], lo, hi));
+                const bool off = masked && (col >= kn || !in_interval(qf[e >> 1], ql[e >> 1], kpos[c0 + col]));
                 s[j][e] = off ? neg_inf() : s[j][e] * scale_log2;
             }
 
@@ -143,7 +151,7 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
         cp_async_wait<0>();
         __syncthreads();  // V is here for every thread, and every warp is done with K
-        const int next = next_visible_tile(kpos, c0 + BN, Ck, BN, qmin, qmax, lo, hi);
+        const int next = next_visible_tile(kpos, c0 + BN, Ck, BN, first0, last1);
         if (next < Ck) {
             load_rows_async<T, D>(Ks, kb + next * k_st, k_st, BN, imin(BN, Ck - next));
             cp_async_commit();

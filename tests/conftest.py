@@ -41,6 +41,18 @@ def f64(x):
     return np.asarray(x, dtype=np.float64)
 
 
+def random_docs(N, seed=0, mean=6):
+    """Document offsets (cu_seqlens) filling N tokens, the same on every rank: lengths
+    around ``mean`` with 1-token and empty documents among them."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < N:
+        lengths.append(int(rng.choice([0, 1, 1, 2, rng.integers(1, 3 * mean)])))
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    cu[-1] = N
+    return np.minimum(cu, N)
+
+
 def check_close(name, ours, exact, plain, dtype, record=True):
     """Assert flash-attn's rule (``reference.flash_attn_rule``); record the error for the
     summary (unless ``record`` is false: runs that are meant to fail must not enter the

@@ -191,7 +191,9 @@ class Emulated:
     """Local attention on the emulator, mirroring what a GPU backend does per ring step.
 
     Arrays are in the user's layout: q, dout (B, C, Z, d|dv); k, v (B, C, Zkv, d|dv); the
-    running state acc (B, C, Z, dv) and m, l (B, C, Z) in fp32; lse (B, Z, C).
+    running state acc (B, C, Z, dv) and m, l (B, C, Z) in fp32; lse (B, Z, C). Masks are
+    ``burstmpi.masks.Block`` s, as the ring hands them to a backend: a query block's
+    first/last bound the keys each row sees, a key block's the queries that see each row.
     """
 
     def __init__(self, lib, dtype, d, dv, schedule="forward/late", seed=0,
@@ -210,21 +212,22 @@ class Emulated:
         bad = [i for i, a in enumerate(self.guarded) if not a.intact()]
         assert not bad, f"{spec.kernel} wrote outside its arrays (guard zones of arrays {bad} changed)"
 
-    def forward(self, q, blocks, qpos, win, scale):
-        """(out, lse) of queries ``q`` over key blocks [(k, v, kpos), ...], merged in order."""
+    def forward(self, q, blocks, qb, scale):
+        """(out, lse) of queries ``q`` (query block ``qb``) over key blocks
+        [(k, v, kpos), ...], merged in order."""
         B, C, Z, _ = q.shape
         g = Z // blocks[0][0].shape[2]
         gq = self._g(q)
         acc = self._g(np.zeros((B, C, Z, self.dv)), np.float32)
         m = self._g(np.full((B, C, Z), -np.inf), np.float32)
         l = self._g(np.zeros((B, C, Z)), np.float32)
-        gqp = self._g(qpos, np.int32)
+        qfirst, qlast = self._g(qb.first, np.int32), self._g(qb.last, np.int32)
         for k, v, kpos in blocks:
             gk, gv, gkp = self._g(k), self._g(v), self._g(kpos, np.int32)
             self._run(kernels.fwd(self.dtype, self.d, self.dv, q=gq.grouped(g), k=gk.strided(),
                                   v=gv.strided(), acc=acc.grouped(g), m=m.grouped(g), l=l.grouped(g),
-                                  qpos=gqp.ptr, kpos=gkp.ptr, batch=B, cq=C, ck=k.shape[1],
-                                  heads=Z, kv_heads=k.shape[2], lo=win.lo, hi=win.hi, scale=scale,
+                                  qfirst=qfirst.ptr, qlast=qlast.ptr, kpos=gkp.ptr, batch=B, cq=C,
+                                  ck=k.shape[1], heads=Z, kv_heads=k.shape[2], scale=scale,
                                   smem_limit=self.smem_limit))
         out = self._g(np.zeros((B, C, Z, self.dv)))
         lse = self._g(np.zeros((B, Z, C)), np.float32)
@@ -233,16 +236,16 @@ class Emulated:
                                        l=l.grouped(g), batch=B, c=C, heads=Z, kv_heads=Z // g))
         return out.array.copy(), lse.array.copy()
 
-    def backward(self, q_blocks, k_blocks, scale, win):
+    def backward(self, q_blocks, k_blocks, scale):
         """Gradients of every block of a sequence split in blocks, as the ring computes them.
 
-        ``q_blocks``: [(q, dout, out, lse, qpos)], ``k_blocks``: [(k, v, kpos)]. Every
-        (query block, key block) pair runs dQ and dK/dV; returns ([dq], [dk], [dv]) in fp32
-        with dq scaled, one array per block.
+        ``q_blocks``: [(q, dout, out, lse, qb)], ``k_blocks``: [(k, v, kb)] with ``qb``,
+        ``kb`` the blocks' masks.Block. Every (query block, key block) pair runs dQ and
+        dK/dV; returns ([dq], [dk], [dv]) in fp32 with dq scaled, one array per block.
         """
         qs = []
         Zkv = k_blocks[0][0].shape[2]
-        for q, do, out, lse, qpos in q_blocks:
+        for q, do, out, lse, qb in q_blocks:
             B, C, Z, _ = q.shape
             g = Z // Zkv
             gdo, gout = self._g(do), self._g(out)
@@ -251,23 +254,25 @@ class Emulated:
                                              dout=gdo.grouped(g), out=gout.grouped(g), batch=B, c=C,
                                              heads=Z, kv_heads=Zkv))
             qs.append(dict(q=self._g(q), do=gdo, lse=self._g(lse, np.float32), dsum=dsum,
-                           qpos=self._g(qpos, np.int32), dq=self._g(np.zeros(q.shape), np.float32), C=C))
-        ks = [dict(k=self._g(k), v=self._g(v), kpos=self._g(kpos, np.int32),
+                           mask=[self._g(x, np.int32) for x in (qb.pos, qb.first, qb.last)],
+                           dq=self._g(np.zeros(q.shape), np.float32), C=C))
+        ks = [dict(k=self._g(k), v=self._g(v), mask=[self._g(x, np.int32) for x in (kb.pos, kb.first, kb.last)],
                    dk=self._g(np.zeros(k.shape), np.float32), dv=self._g(np.zeros(v.shape), np.float32),
-                   C=k.shape[1]) for k, v, kpos in k_blocks]
+                   C=k.shape[1]) for k, v, kb in k_blocks]
         B, Z = q_blocks[0][0].shape[0], q_blocks[0][0].shape[2]
         g = Z // Zkv
         for qb in qs:
             for kb in ks:
                 common = dict(q=qb["q"].grouped(g), k=kb["k"].strided(), v=kb["v"].strided(),
                               dout=qb["do"].grouped(g), lse=qb["lse"].grouped(g, (0, 2, 1)),
-                              dsum=qb["dsum"].grouped(g, (0, 2, 1)), qpos=qb["qpos"].ptr,
-                              kpos=kb["kpos"].ptr, batch=B, cq=qb["C"], ck=kb["C"], heads=Z,
-                              kv_heads=Zkv, lo=win.lo, hi=win.hi, scale=scale,
-                              smem_limit=self.smem_limit)
-                self._run(kernels.bwd_dq(self.dtype, self.d, self.dv, dq=qb["dq"].grouped(g), **common))
+                              dsum=qb["dsum"].grouped(g, (0, 2, 1)), batch=B, cq=qb["C"], ck=kb["C"],
+                              heads=Z, kv_heads=Zkv, scale=scale, smem_limit=self.smem_limit)
+                (qpos, qfirst, qlast), (kpos, kfirst, klast) = ([a.ptr for a in b["mask"]] for b in (qb, kb))
+                self._run(kernels.bwd_dq(self.dtype, self.d, self.dv, dq=qb["dq"].grouped(g),
+                                         qfirst=qfirst, qlast=qlast, kpos=kpos, **common))
                 for spec in kernels.bwd_dkdv(self.dtype, self.d, self.dv, dk=kb["dk"].strided(),
-                                             dv_=kb["dv"].strided(), **common):
+                                             dv_=kb["dv"].strided(), qpos=qpos, kfirst=kfirst,
+                                             klast=klast, **common):
                     self._run(spec)
         return ([qb["dq"].array * np.float32(scale) for qb in qs], [kb["dk"].array.copy() for kb in ks],
                 [kb["dv"].array.copy() for kb in ks])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kernel_harness as kh
-from conftest import COMM, RANK, check_against_float64, check_fully_masked_rows, dtype_of
+from conftest import COMM, NRANKS, RANK, check_against_float64, check_fully_masked_rows, dtype_of, random_docs
 
 pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
 
@@ -55,3 +55,25 @@ def test_float64_is_refused_by_name(lib):
     with pytest.raises(ValueError, match=r"backend 'cuda': dtype: expected float16, bfloat16 or float32, got float64"):
         check_against_float64(dtype="float64", backend=kh.EmulatedBackend(lib))
     assert dtype_of("float16") == np.float16
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("mode", ["burst", "ring", "two-way"])
+def test_documents_and_uneven_lengths_on_emulated_kernels(lib, dtype, mode):
+    """Packed documents (1-token and empty ones too) over a length no rank count divides."""
+    be = kh.EmulatedBackend(lib, schedule=list(kh.SCHEDULES)[(RANK + 1) % 4])
+    N = 23 * NRANKS + 5
+    check_against_float64(N=N, cu_seqlens=random_docs(N, seed=11), causal=True, layout="zigzag",
+                          dtype=dtype, bwd_comm=mode, backend=be, tag="kernels docs ")
+    check_against_float64(N=N, cu_seqlens=random_docs(N, seed=12, mean=20), window=(6, 6),
+                          layout="contiguous", dtype=dtype, bwd_comm=mode, backend=be, tag="kernels docs ")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fewer_tokens_than_ranks_on_emulated_kernels(lib, layout):
+    """Ranks that hold no token launch nothing and still pass packets on."""
+    be = kh.EmulatedBackend(lib)
+    check_against_float64(N=max(1, NRANKS - 1), causal=True, layout=layout, dtype="float16", bwd_comm="auto",
+                          backend=be, tag="kernels uneven ")
+    check_against_float64(N=2 * NRANKS + 1, window=(1, 2), layout=layout, dtype="bfloat16", bwd_comm="ring",
+                          backend=be, tag="kernels uneven ")

@@ -33,8 +33,8 @@ def test_every_configuration_fits_shared_memory(arch):
 
 
 def _fwd(**over):
-    args = dict(q=GROUPED, k=ALIGNED, v=ALIGNED, acc=GROUPED, m=GROUPED, l=GROUPED, qpos=0, kpos=0,
-                batch=2, cq=100, ck=70, heads=4, kv_heads=2, lo=5, hi=0, scale=0.125)
+    args = dict(q=GROUPED, k=ALIGNED, v=ALIGNED, acc=GROUPED, m=GROUPED, l=GROUPED, qfirst=0x1000,
+                qlast=0x2000, kpos=0x3000, batch=2, cq=100, ck=70, heads=4, kv_heads=2, scale=0.125)
     args.update(over)
     return kernels.fwd("float16", 64, 64, **args)
 
@@ -45,11 +45,17 @@ def test_launch_is_plain_data():
     assert spec.grid == (2, 4, 2) and spec.block == (128, 1, 1)
     assert spec.smem == kernels.smem_bytes("fwd", "float16", 64, 64, kernels.Config(4, 64))
     kinds = "".join(kind for kind, _ in spec.args)
-    assert kinds == "p" * 8 + "q" * (4 + 3 + 3 + 4 + 4) + "i" * 4 + "qqf"
-    two = kernels.bwd_dkdv("bfloat16", 256, 256, q=GROUPED, k=ALIGNED, v=ALIGNED, dout=GROUPED,
-                           lse=GROUPED, dsum=GROUPED, dk=ALIGNED, dv_=ALIGNED, qpos=0, kpos=0, batch=1,
-                           cq=10, ck=10, heads=2, kv_heads=1, lo=0, hi=0, scale=1.0)
+    assert kinds == "p" * 9 + "q" * (4 + 3 + 3 + 4 + 4) + "i" * 4 + "f"
+    assert [value for _, value in spec.args[6:9]] == [0x1000, 0x2000, 0x3000]  # qfirst, qlast, kpos
+    common = dict(q=GROUPED, k=ALIGNED, v=ALIGNED, dout=GROUPED, lse=GROUPED, dsum=GROUPED, batch=1,
+                  cq=10, ck=10, heads=2, kv_heads=1, scale=1.0)
+    dq = kernels.bwd_dq("bfloat16", 64, 64, dq=GROUPED, qfirst=1, qlast=2, kpos=3, **common)
+    assert [value for _, value in dq.args[7:10]] == [1, 2, 3]
+    two = kernels.bwd_dkdv("bfloat16", 256, 256, dk=ALIGNED, dv_=ALIGNED, qpos=4, kfirst=5, klast=6,
+                           **common)
     assert [s.kernel[-3:] for s in two] == [" 1>", " 2>"]
+    assert all([value for _, value in s.args[8:11]] == [4, 5, 6] for s in two)
+    assert "".join(kind for kind, _ in two[0].args).endswith("i" * 4 + "f")
 
 
 @pytest.mark.parametrize("over,match", [

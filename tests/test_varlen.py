@@ -12,23 +12,12 @@ from burstmpi import reference as ref
 from burstmpi.layout import Layout, split_sizes
 from burstmpi.masks import Mask, Window
 
-from conftest import COMM, DTYPES, NRANKS, RANK, check_against_float64, needs_ranks
+from conftest import COMM, DTYPES, NRANKS, RANK, check_against_float64, needs_ranks, random_docs
 
 pytestmark = pytest.mark.timeout(120)
 LAYOUTS = ["contiguous", "zigzag", "striped"]
 MASKS = {"none": (False, None), "causal": (True, None), "window": (False, (5, 3)),
          "causal-window": (True, (7, 0))}
-
-
-def random_docs(N, seed=0, mean=6):
-    """Offsets of documents filling N tokens: 1-token and empty documents included."""
-    rng = np.random.default_rng(seed)
-    lengths = []
-    while sum(lengths) < N:
-        lengths.append(int(rng.choice([0, 1, 1, 2, rng.integers(1, 3 * mean)])))
-    cu = np.concatenate([[0], np.cumsum(lengths)])
-    cu[-1] = N
-    return np.minimum(cu, N)
 
 
 # -- where tokens live ---------------------------------------------------------------------

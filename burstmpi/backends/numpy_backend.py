@@ -25,18 +25,41 @@ from ..masks import EMPTY, PARTIAL, classify_tiles, tile_mask
 __all__ = ["NumpyBackend"]
 
 
-def _tiles(pos, size):
-    """Tiles of at most ``size`` rows that never cross a jump in position spacing.
+def _tiles(block, size):
+    """Tiles of at most ``size`` rows, aligned to where the mask's structure changes.
 
-    A zigzag rank holds two distant chunks; a tile straddling both would look
-    "partial" to every mask test, so tiles start afresh where the spacing changes.
+    Rows are cut into pieces where the position spacing jumps (a zigzag rank's two
+    chunks, far apart) and where a document starts. A long piece is tiled from its own
+    first row, as if it were alone, so the classification finds its FULL and EMPTY tiles
+    instead of tiles straddling two documents; pieces shorter than a tile (short
+    documents) share one, masked per element, rather than run as many tiny GEMMs.
     """
-    n = len(pos)
-    cuts = [0, n]
+    n = len(block.pos)
+    if n == 0:
+        return []
+    cut = np.zeros(n, dtype=bool)
+    cut[0] = True
     if n > 2:
-        step = np.diff(pos)
-        cuts[1:1] = list(np.nonzero(step != step[0])[0] + 1)
-    return [(s, min(s + size, b)) for a, b in zip(cuts, cuts[1:]) for s in range(a, b, size)]
+        step = np.diff(block.pos)
+        cut[1:] |= step != step[0]
+    cut[1:] |= np.diff(block.start) != 0
+    bounds = np.nonzero(cut)[0].tolist() + [n]
+    tiles, open_tile = [], None  # open_tile: a short tile that later short pieces may join
+    for a, b in zip(bounds, bounds[1:]):
+        if open_tile is not None and b - open_tile[0] <= size:
+            open_tile = (open_tile[0], b)
+            continue
+        if open_tile is not None:
+            tiles.append(open_tile)
+            open_tile = None
+        for s in range(a, b, size):
+            if min(s + size, b) - s == size:
+                tiles.append((s, s + size))
+            else:
+                open_tile = (s, b)
+    if open_tile is not None:
+        tiles.append(open_tile)
+    return tiles
 
 
 def _extremes(pos, tiles):
@@ -44,14 +67,15 @@ def _extremes(pos, tiles):
     return np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)
 
 
-def _tile_plan(qb, kpos, tq, tk):
+def _tile_plan(qb, kb, tq, tk):
     """Rows of (q tile, [(k tile, bias)]) without empty pairs; bias (0/-inf) if partial.
 
-    ``qb`` is the query rows' ``masks.Block``; positions increase along both sides, so a
-    tile's first and last rows bound its visible key intervals."""
-    if len(qb.pos) == 0 or len(kpos) == 0:
+    ``qb``, ``kb`` are the ``masks.Block`` of the query and key rows; positions increase
+    along both sides, so a tile's first and last rows bound its visible key intervals."""
+    if len(qb.pos) == 0 or len(kb.pos) == 0:
         return []
-    qt, kt = _tiles(qb.pos, tq), _tiles(kpos, tk)
+    kpos = kb.pos
+    qt, kt = _tiles(qb, tq), _tiles(kb, tk)
     r0s, r1s = np.array([a for a, _ in qt]), np.array([b - 1 for _, b in qt])
     kmin, kmax = _extremes(kpos, kt)
     cls = classify_tiles(qb.first[r0s], qb.first[r1s], qb.last[r0s], qb.last[r1s], kmin, kmax)
@@ -95,7 +119,7 @@ class NumpyBackend:
         if width < 2 * tk:
             t = max(64, 1 << int(width // 2).bit_length())
             tq, tk = min(tq, max(1, t // g)), min(tk, t)
-        return _tile_plan(qb, kb.pos, tq, tk)
+        return _tile_plan(qb, kb, tq, tk)
 
     # -- forward ----------------------------------------------------------------------
 
