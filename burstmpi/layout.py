@@ -12,14 +12,12 @@ when N < P (N < 2P for zigzag chunks).
 ``zigzag``
     the sequence is cut into 2P chunks; rank r holds chunks r and 2P-1-r. Every rank gets
     one early and one late chunk, so causal work is balanced.
-    With documents (``cu_seqlens``) every document of at least 2P tokens is zigzagged on
-    its own: cut into 2P chunks, rank r taking chunks r and 2P-1-r of it, so the causal
-    work of each document is balanced whatever the lengths. Where a document's length is
-    not a multiple of 2P, its extra tokens go to the chunk slots after those that took the
-    previous document's extras (in rotation), so no slot collects every remainder and
-    ranks differ by at most two tokens over the zigzagged documents. A document shorter
-    than 2P cannot be zigzagged and is kept whole, on the rank holding the fewest tokens
-    so far (the lowest such rank): it then needs no transfer at all.
+    With documents (``cu_seqlens``) the layout balances work document by document:
+    documents short enough to place whole without unbalancing the ranks stay whole (they
+    need no transfer at all); the others are zigzagged on their own, cut into 2P chunks
+    of which rank r takes r and 2P-1-r, so their causal work is balanced whatever their
+    lengths (``Layout._pack_documents`` has the rule). A pack of documents that are short
+    next to N / P therefore moves nothing, and one long document is the plain zigzag.
 ``striped``
     global token t lives on rank t % P. Balanced, and every block pair straddles the
     diagonal by at most one token.
@@ -67,41 +65,88 @@ class Layout:
         elif name == "striped":
             self._runs = [[(r, P, len(range(r, N, P)))] for r in range(P)]
         elif docs is None:
-            self._runs = self._zigzag_runs([(0, N)], keep_short=False)
+            self._runs = self._zigzag_runs([(0, N)])
         else:
-            self._runs = self._zigzag_runs(list(zip(docs[:-1].tolist(), docs[1:].tolist())))
+            self._runs = self._pack_documents(list(zip(docs[:-1].tolist(), docs[1:].tolist())))
         self._runs = [[run for run in runs if run[2] > 0] for runs in self._runs]
         self.counts = np.array([sum(n for _, _, n in runs) for runs in self._runs], dtype=np.int64)
         self.max_count = int(self.counts.max())
         self._positions = {}
 
-    def _zigzag_runs(self, documents, keep_short=True):
-        """Runs of every rank: each document of >= 2P tokens zigzagged over 2P chunk slots
-        (extras rotating over the slots), shorter ones whole on the emptiest rank (with
-        ``keep_short``; the plain layout's one sequence is always cut in 2P chunks)."""
+    def _zigzag_runs(self, documents):
+        """Runs of every rank for documents each zigzagged over 2P chunk slots: rank r
+        takes slots r and 2P-1-r of every document. Where a length is not a multiple of
+        2P the extra tokens go to the slots after those that took the previous document's
+        extras (a rotating cursor), so over many documents no slot collects them all."""
         P = self.nranks
         runs = [[] for _ in range(P)]
-        held = np.zeros(P, dtype=np.int64)
         cursor = 0  # the slot that takes the next document's first extra token
         for start, end in documents:
-            n = end - start
-            if n == 0:
-                continue
-            if keep_short and n < 2 * P:
-                r = int(np.argmin(held))
-                runs[r].append((start, 1, n))
-                held[r] += n
-                continue
-            base, extra = divmod(n, 2 * P)
+            base, extra = divmod(end - start, 2 * P)
             sizes = base + (((np.arange(2 * P) - cursor) % (2 * P)) < extra)
             cursor = (cursor + extra) % (2 * P)
             offsets = start + np.concatenate([[0], np.cumsum(sizes)])
             for slot in range(2 * P):
                 r = slot if slot < P else 2 * P - 1 - slot
                 runs[r].append((int(offsets[slot]), 1, int(sizes[slot])))
-                held[r] += sizes[slot]
-        # Slots were appended in slot order per document: rank r's runs increase already.
         return runs
+
+    def _pack_documents(self, documents):
+        """The zigzag layout of packed documents: whole where that keeps the ranks
+        balanced, zigzagged where it would not.
+
+        Work is the sum of squared document lengths (what attention inside a document
+        costs, causal or not). The zigzagged documents give every rank 1/P of their work
+        and tokens; the others are dealt whole, longest first, each to the least-worked
+        rank that stays within its share of what is left (of the work and of the tokens,
+        plus 2 % each). A document that fits nowhere joins the zigzagged ones and the
+        deal starts again, with one exception, about bytes: while nothing is zigzagged, a
+        small document (work at most a tenth of a share) goes whole to the rank it
+        overloads least, because one zigzagged document makes every rank need every
+        other rank's block, the whole ring's traffic, which a few percent of balance is
+        not worth. Once some document is zigzagged that traffic is paid anyway and
+        balance decides. Documents shorter than 2P tokens always stay whole (zigzag
+        chunks of them would be single tokens). So a pack of documents that are short
+        next to N / P stays put and needs no transfer at all, long documents are
+        balanced chunk by chunk, and mixtures get both.
+        """
+        P = self.nranks
+        docs = sorted(((a, b) for a, b in documents if b > a), key=lambda d: (d[0] - d[1], d[0]))
+        zigzag = set()
+        while True:
+            whole, failed = self._deal(docs, zigzag)
+            if failed is None:
+                break
+            zigzag.add(failed)
+        runs = self._zigzag_runs(sorted(zigzag))
+        # Local rows in increasing global position: the masks and kernels rely on it.
+        return [sorted(runs[r] + whole[r]) for r in range(P)]
+
+    def _deal(self, docs, zigzag):
+        """Deal the documents not in ``zigzag`` whole (see ``_pack_documents``): return
+        (runs per rank, None), or (None, the first document that fits nowhere)."""
+        P = self.nranks
+        rest = [d for d in docs if d not in zigzag]
+        # 2 % slack: a pack whose documents almost divide evenly stays whole, at the cost
+        # of packets (sized for the largest rank) up to 2 % larger.
+        work_share = sum((b - a) ** 2 for a, b in rest) / P * 1.02
+        token_share = sum(b - a for a, b in rest) / P * 1.02
+        work, tokens = np.zeros(P), np.zeros(P)
+        whole = [[] for _ in range(P)]
+        for a, b in rest:  # longest first
+            n = b - a
+            fits = [i for i in range(P) if work[i] + n * n <= work_share and tokens[i] + n <= token_share]
+            if fits:
+                r = min(fits, key=lambda i: (work[i], tokens[i], i))
+            elif n < 2 * P or (not zigzag and n * n <= 0.1 * work_share):
+                r = min(range(P), key=lambda i: (max((work[i] + n * n) / work_share,
+                                                     (tokens[i] + n) / token_share), i))
+            else:
+                return None, (a, b)
+            whole[r].append((a, 1, n))
+            work[r] += n * n
+            tokens[r] += n
+        return whole, None
 
     def count(self, rank):
         """Tokens held by ``rank``."""
