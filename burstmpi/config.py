@@ -10,8 +10,10 @@ BURSTMPI_BACKEND        auto        ``numpy`` (CPU) or ``cuda``; ``auto`` follow
                                     arrays' device
 BURSTMPI_TILE_Q         256         rows of Q per local tile (NumPy backend)
 BURSTMPI_TILE_K         512         rows of K/V per local tile (NumPy backend)
-BURSTMPI_CHECK          1           ``0`` skips the per-call agreement collective
-                                    (saves one tiny allreduce; mismatches then hang)
+BURSTMPI_CHECK          1           ``0`` leaves the argument fingerprint out of the
+                                    per-call collective (which still runs: it carries
+                                    every rank's local length); mismatched arguments
+                                    then go undetected
 BURSTMPI_CUDA_AWARE_MPI 0           ``1``: the MPI transport hands GPU buffers to MPI
                                     directly (CUDA-aware MPI) instead of staging them
                                     through host memory
