@@ -29,7 +29,8 @@ import numpy as np
 from .comm import Channel, PartialChannel, field_bytes
 
 __all__ = ["forward", "backward", "packet_fields", "packet_dims", "nbytes", "bytes_per_step",
-           "Timer", "backward_operands", "finish_gradients"]
+           "Timer", "fill_packet", "key_operands", "finish_forward", "backward_operands",
+           "finish_gradients"]
 
 TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
 
@@ -126,6 +127,27 @@ def _from_kv(xp, x, dtype):
     return out
 
 
+def fill_packet(chan, home, C):
+    """Copy this rank's operands (working layouts, ``C`` rows) into the channel's current
+    packet, whose rows past ``C`` stay padding."""
+    for name, view in chan.current.items():
+        view[:, :, :C] = home[name]
+
+
+def key_operands(k, v):
+    """The key side {k, v} in the working layout (B, Zkv, C, d): views, no copies."""
+    return {"k": k.transpose(0, 2, 1, 3), "v": v.transpose(0, 2, 1, 3)}
+
+
+def finish_forward(be, state, dtype, dims):
+    """(out, lse) in the caller's layouts from the running state (which it consumes)."""
+    B, C, Z = dims[:3]
+    out_rows, lse_rows = be.fwd_finalize(state, dtype)
+    out = _from_rows(be.xp, out_rows, dtype)
+    del out_rows
+    return out, be.xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
+
+
 def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
     """The backward's home operands in working layouts and its zeroed accumulators:
     (query side {q, do, D, lse}, key side {k, v}, gradients {dq, dk, dv})."""
@@ -138,7 +160,7 @@ def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
     # Rows that saw no key have lse = -inf; +inf makes exp(s - lse) exactly 0 there.
     lse_rows = xp.where(lse_rows == -np.inf, np.inf, lse_rows)
     home_q = {"q": _rows(q, Zkv), "do": _rows(dout, Zkv), "D": D, "lse": lse_rows}
-    home_k = {"k": k.transpose(0, 2, 1, 3), "v": v.transpose(0, 2, 1, 3)}
+    home_k = key_operands(k, v)
     grads = {"dq": xp.zeros((B, Zkv, C, g, d), acc), "dk": xp.zeros((B, Zkv, C, d), acc),
              "dv": xp.zeros((B, Zkv, C, dv), acc)}
     return home_q, home_k, grads
@@ -156,7 +178,7 @@ def finish_gradients(xp, grads, dtype, scale):
 
 def forward(plan, q, k, v, dims):
     """Return (out, lse, stats) for this rank's q, k, v."""
-    be, xp = plan.backend, plan.backend.xp
+    be = plan.backend
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
@@ -165,9 +187,7 @@ def forward(plan, q, k, v, dims):
     (chan,) = plan.channels("forward", [(Channel, packet, TAG_FWD, sched.direction)])
     timer, t_start = Timer(), time.perf_counter()
 
-    cur = chan.current
-    cur["k"][:, :, :C] = k.transpose(0, 2, 1, 3)
-    cur["v"][:, :, :C] = v.transpose(0, 2, 1, 3)
+    fill_packet(chan, key_operands(k, v), C)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.query_block(plan.rank)
@@ -179,11 +199,7 @@ def forward(plan, q, k, v, dims):
             cur = chan.current
             timer.run("compute", be.fwd_block, q_rows, cur["k"][:, :, :n], cur["v"][:, :, :n], state,
                       qb, geo.key_block(owner), plan.scale, poll=chan.progress)
-    out_rows, lse_rows = be.fwd_finalize(state, q.dtype)
-    del state
-    out = _from_rows(xp, out_rows, q.dtype)
-    del out_rows
-    lse = xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
+    out, lse = finish_forward(be, state, q.dtype, dims)
     pairs = sum(geo.pairs[plan.rank, o] for o in owners)
     return out, lse, plan.phase_stats([chan], owners, pairs, sched.direction, timer, t_start)
 
@@ -201,9 +217,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     timer, t_start = Timer(), time.perf_counter()
 
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    travelling = home_q if mode == "burst" else home_k
-    for name, view in chan.current.items():
-        view[:, :, :C] = travelling[name]
+    fill_packet(chan, home_q if mode == "burst" else home_k, C)
 
     def partials(t):
         # The partial finished at step t-1 leaves with step t's packet; the partial that

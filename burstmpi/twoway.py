@@ -25,7 +25,8 @@ both directions reach the same neighbour.
 import time
 
 from .comm import Channel
-from .ring import Timer, backward_operands, finish_gradients, packet_dims, packet_fields
+from .ring import (Timer, _rows, backward_operands, fill_packet, finish_forward, finish_gradients,
+                   key_operands, packet_dims, packet_fields)
 
 __all__ = ["arcs", "TwoWaySchedule", "two_way_bytes", "forward", "backward"]
 
@@ -98,9 +99,7 @@ def _run(plan, steps, channels, timer, compute):
 
 def forward(plan, q, k, v, dims):
     """Return (out, lse, stats), K/V travelling two ways."""
-    from .ring import _from_rows, _rows
-
-    be, xp = plan.backend, plan.backend.xp
+    be = plan.backend
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
@@ -108,9 +107,9 @@ def forward(plan, q, k, v, dims):
     sched = TwoWaySchedule(geo.needs("forward"), plan.rank)
     up, down = plan.channels("forward-two-way", [(Channel, packet, TAG_UP, +1), (Channel, packet, TAG_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
+    home_k = key_operands(k, v)
     for chan in (up, down):
-        chan.current["k"][:, :, :C] = k.transpose(0, 2, 1, 3)
-        chan.current["v"][:, :, :C] = v.transpose(0, 2, 1, 3)
+        fill_packet(chan, home_k, C)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.query_block(plan.rank)
@@ -133,9 +132,7 @@ def forward(plan, q, k, v, dims):
                 block(chan, dplan.owners[t])
 
     _run(plan, sched.steps, [(up, sched.up), (down, sched.down)], timer, compute)
-    out_rows, lse_rows = be.fwd_finalize(state, q.dtype)
-    out = _from_rows(xp, out_rows, q.dtype)
-    lse = xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
+    out, lse = finish_forward(be, state, q.dtype, dims)
     pairs = sum(geo.pairs[plan.rank, o] for o in owners)
     return out, lse, plan.phase_stats([up, down], owners, pairs, 0, timer, t_start)
 
@@ -159,8 +156,7 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
     for chans, home in (((kvu, kvd), home_k), ((qu, qd), home_q)):
         for chan in chans:
-            for name, view in chan.current.items():
-                view[:, :, :C] = home[name]
+            fill_packet(chan, home, C)
     rows = lambda fields, n: {name: view[:, :, :n] for name, view in fields.items()}
     qb_home, kb_home = geo.query_block(plan.rank), geo.key_block(plan.rank)
     owners, pairs = [], 0
