@@ -96,57 +96,68 @@ class Layout:
         balanced, zigzagged where it would not.
 
         Work is the sum of squared document lengths (what attention inside a document
-        costs, causal or not). The zigzagged documents give every rank 1/P of their work
-        and tokens; the others are dealt whole, longest first, each to the least-worked
-        rank that stays within its share of what is left (of the work and of the tokens,
-        plus 2 % each). A document that fits nowhere joins the zigzagged ones and the
-        deal starts again, with one exception, about bytes: while nothing is zigzagged, a
-        small document (work at most a tenth of a share) goes whole to the rank it
-        overloads least, because one zigzagged document makes every rank need every
-        other rank's block, the whole ring's traffic, which a few percent of balance is
-        not worth. Once some document is zigzagged that traffic is paid anyway and
-        balance decides. Documents shorter than 2P tokens always stay whole (zigzag
-        chunks of them would be single tokens). So a pack of documents that are short
-        next to N / P stays put and needs no transfer at all, long documents are
-        balanced chunk by chunk, and mixtures get both.
+        costs, causal or not); a zigzagged document gives every rank 1/P of its tokens
+        and work. Longest first, each document goes whole to the least-worked rank that
+        stays within the average final load with it (work and tokens, plus 2 % each);
+        one that fits nowhere is zigzagged, unless it is small (a tenth of the average
+        work, or under 2P tokens, whose zigzag chunks would be single tokens): then it
+        goes whole to the rank it overloads least. Last, while some rank is more than 5 %
+        above the average work or 10 % above the average tokens, the longest whole
+        document of the most overloaded one is zigzagged.
+
+        Documents stay whole where they can because a zigzag cuts a document into 2P
+        chunks and short chunks make small, partly masked tiles, and because while
+        nothing is zigzagged no rank needs another's block at all: a pack of documents
+        that are short next to N / P stays put and moves nothing. Long documents are
+        balanced chunk by chunk; mixtures get both.
         """
         P = self.nranks
         docs = sorted(((a, b) for a, b in documents if b > a), key=lambda d: (d[0] - d[1], d[0]))
-        zigzag = set()
-        while True:
-            whole, failed = self._deal(docs, zigzag)
-            if failed is None:
-                break
-            zigzag.add(failed)
-        runs = self._zigzag_runs(sorted(zigzag))
-        # Local rows in increasing global position: the masks and kernels rely on it.
-        return [sorted(runs[r] + whole[r]) for r in range(P)]
-
-    def _deal(self, docs, zigzag):
-        """Deal the documents not in ``zigzag`` whole (see ``_pack_documents``): return
-        (runs per rank, None), or (None, the first document that fits nowhere)."""
-        P = self.nranks
-        rest = [d for d in docs if d not in zigzag]
         # 2 % slack: a pack whose documents almost divide evenly stays whole, at the cost
         # of packets (sized for the largest rank) up to 2 % larger.
-        work_share = sum((b - a) ** 2 for a, b in rest) / P * 1.02
-        token_share = sum(b - a for a, b in rest) / P * 1.02
+        work_cap = sum((b - a) ** 2 for a, b in docs) / P * 1.02
+        token_cap = self.seqlen / P * 1.02
         work, tokens = np.zeros(P), np.zeros(P)
         whole = [[] for _ in range(P)]
-        for a, b in rest:  # longest first
+        zigzag = []
+
+        def spread(n):
+            nonlocal work, tokens
+            work = work + n * n / P
+            tokens = tokens + n / P
+
+        for a, b in docs:  # longest first
             n = b - a
-            fits = [i for i in range(P) if work[i] + n * n <= work_share and tokens[i] + n <= token_share]
+            fits = [i for i in range(P) if work[i] + n * n <= work_cap and tokens[i] + n <= token_cap]
             if fits:
                 r = min(fits, key=lambda i: (work[i], tokens[i], i))
-            elif n < 2 * P or (not zigzag and n * n <= 0.1 * work_share):
-                r = min(range(P), key=lambda i: (max((work[i] + n * n) / work_share,
-                                                     (tokens[i] + n) / token_share), i))
+            elif n < 2 * P or n * n <= 0.1 * work_cap:
+                r = min(range(P), key=lambda i: (max((work[i] + n * n) / work_cap,
+                                                     (tokens[i] + n) / token_cap), i))
             else:
-                return None, (a, b)
+                zigzag.append((a, b))
+                spread(n)
+                continue
             whole[r].append((a, 1, n))
             work[r] += n * n
             tokens[r] += n
-        return whole, None
+        while True:
+            over = np.maximum(work / (1.05 * work.mean()), tokens / (1.10 * tokens.mean()))
+            r = int(np.argmax(over))
+            if over[r] <= 1:
+                break
+            movable = [run for run in whole[r] if run[2] >= 2 * P]
+            if not movable:
+                break
+            a, _, n = max(movable, key=lambda run: (run[2], -run[0]))
+            whole[r].remove((a, 1, n))
+            work[r] -= n * n
+            tokens[r] -= n
+            zigzag.append((a, a + n))
+            spread(n)
+        runs = self._zigzag_runs(sorted(zigzag))
+        # Local rows in increasing global position: the masks and kernels rely on it.
+        return [sorted(runs[r] + whole[r]) for r in range(P)]
 
     def count(self, rank):
         """Tokens held by ``rank``."""

@@ -31,9 +31,10 @@ class PhaseStats:
     ``bytes_sent``/``bytes_recv`` count payload bytes this rank moved;
     ``steps_computed + steps_skipped`` is the number of ranks (``steps_computed``: the ranks
     whose blocks this rank computed with); ``direction`` is +1 when packets go to rank+1,
-    -1 when they go to rank-1, and 0 on the two-way ring (``burstmpi.twoway``). ``pairs`` counts the visible (query token, key token) pairs of
-    the steps this rank computed (times batch and heads for the work done; compare ranks
-    to measure imbalance). ``compute_s`` is time inside local kernels and ``wait_s`` the
+    -1 when they go to rank-1, and 0 on the two-way ring (``burstmpi.twoway``). ``pairs``
+    counts the visible (query token, key token) pairs this rank computed (times batch and
+    heads for the work done; compare ranks to measure imbalance; in a two-way backward a
+    remote pair's dQ half and dK/dV half each count, on their own ranks). ``compute_s`` is time inside local kernels and ``wait_s`` the
     exposed communication (time blocked on transfers); ``wall_s`` covers the whole phase.
     """
 
