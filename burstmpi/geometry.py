@@ -13,7 +13,8 @@ import numpy as np
 
 from .layout import layout_of
 from .masks import Mask, Window
-from .schedule import pair_matrix
+from .masks import count_visible
+from .schedule import interaction_matrix
 
 __all__ = ["Geometry", "geometry"]
 
@@ -24,27 +25,31 @@ class Geometry:
     def __init__(self, layout_name, nranks, seqlen, lo, hi, cu_seqlens=None):
         self.layout = layout_of(layout_name, nranks, seqlen, cu_seqlens)
         self.mask = Mask(Window.from_bounds(lo, hi), seqlen, cu_seqlens)
-        self._pairs = None
+        self._needs = None
+        self._pairs = {}
         self._blocks = {}
 
-    @property
-    def pairs(self):
-        """pairs[holder of queries, owner of keys]: visible token pairs (``pair_matrix``)."""
-        if self._pairs is None:
-            self._pairs = pair_matrix(self.layout, self.mask)
-        return self._pairs
+    def pairs(self, qrank, krank):
+        """Visible (query token, key token) pairs of qrank's queries and krank's keys
+        (exact, cached). Each rank asks only for the blocks it computed with."""
+        n = self._pairs.get((qrank, krank))
+        if n is None:
+            if self.mask.dense:
+                n = self.layout.count(qrank) * self.layout.count(krank)
+            else:
+                n = count_visible(self.query_block(qrank), self.layout.positions(krank))
+            self._pairs[(qrank, krank)] = n
+        return n
 
     def needs(self, mode):
         """needs[holder, owner]: does the holder compute with the owner's packet?
 
         The forward and "ring" bring keys to the holder's queries; "burst" brings
-        queries to the holder's keys, so it reads the pair matrix transposed.
+        queries to the holder's keys, so it reads the interaction matrix transposed.
         """
-        if self.mask.dense:  # every pair is visible wherever a rank holds a token
-            a = np.outer(self.layout.counts > 0, self.layout.counts > 0)
-        else:
-            a = self.pairs > 0
-        return a.T if mode == "burst" else a
+        if self._needs is None:
+            self._needs = interaction_matrix(self.layout, self.mask)
+        return self._needs.T if mode == "burst" else self._needs
 
     def query_block(self, rank):
         """The ``masks.Block`` of rank's rows as queries (cached)."""

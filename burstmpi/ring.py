@@ -200,7 +200,7 @@ def forward(plan, q, k, v, dims):
             timer.run("compute", be.fwd_block, q_rows, cur["k"][:, :, :n], cur["v"][:, :, :n], state,
                       qb, geo.key_block(owner), plan.scale, poll=chan.progress)
     out, lse = finish_forward(be, state, q.dtype, dims)
-    pairs = sum(geo.pairs[plan.rank, o] for o in owners)
+    pairs = sum(geo.pairs(plan.rank, o) for o in owners)
     return out, lse, plan.phase_stats([chan], owners, pairs, sched.direction, timer, t_start)
 
 
@@ -256,5 +256,5 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]
     # The holder's pairs: its queries against the owner's keys, or (burst) the owner's
     # queries against its keys.
-    pairs = sum(geo.pairs[o, plan.rank] if mode == "burst" else geo.pairs[plan.rank, o] for o in owners)
+    pairs = sum(geo.pairs(o, plan.rank) if mode == "burst" else geo.pairs(plan.rank, o) for o in owners)
     return dq, dk, dvv, plan.phase_stats([chan, part], owners, pairs, sched.direction, timer, t_start)

@@ -133,7 +133,7 @@ def forward(plan, q, k, v, dims):
 
     _run(plan, sched.steps, [(up, sched.up), (down, sched.down)], timer, compute)
     out, lse = finish_forward(be, state, q.dtype, dims)
-    pairs = sum(geo.pairs[plan.rank, o] for o in owners)
+    pairs = sum(geo.pairs(plan.rank, o) for o in owners)
     return out, lse, plan.phase_stats([up, down], owners, pairs, 0, timer, t_start)
 
 
@@ -172,21 +172,21 @@ def backward(plan, dout, q, k, v, out, lse, dims):
         if t == 0:
             if kv_s.local:
                 owners.append(plan.rank)
-                pairs += geo.pairs[plan.rank, plan.rank]
+                pairs += geo.pairs(plan.rank, plan.rank)
                 run(home_q, home_k, grads["dq"], grads["dk"], grads["dv"], qb_home, kb_home)
             return
         for chan, dplan in ((kvu, kv_s.up), (kvd, kv_s.down)):
             if dplan.compute[t]:  # their keys: dQ of our queries
                 o = dplan.owners[t]
                 owners.append(o)
-                pairs += geo.pairs[plan.rank, o]
+                pairs += geo.pairs(plan.rank, o)
                 run(home_q, rows(chan.current, plan.layout.count(o)), grads["dq"], None, None,
                     qb_home, geo.key_block(o))
         for chan, dplan in ((qu, q_s.up), (qd, q_s.down)):
             if dplan.compute[t]:  # their queries: dK, dV of our keys
                 o = dplan.owners[t]
                 owners.append(o)
-                pairs += geo.pairs[o, plan.rank]
+                pairs += geo.pairs(o, plan.rank)
                 run(rows(chan.current, plan.layout.count(o)), home_k, None, grads["dk"], grads["dv"],
                     geo.query_block(o), kb_home)
 

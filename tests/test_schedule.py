@@ -117,3 +117,18 @@ def test_stats_count_skipped_causal_steps():
     sent = 2 * 4 * C * 2 * 16  # k and v, float32
     assert st.bytes_sent == (0 if RANK == NRANKS - 1 else (RANK + 1) * sent)
     assert st.wall_s >= st.compute_s >= 0 and st.wait_s >= 0
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("causal,window,docs", [(False, (3, 20), None), (True, None, "docs"),
+                                                (False, (0, 0), "docs"), (True, (7, 0), None),
+                                                (False, None, "docs")])
+def test_interaction_matrix_is_where_pairs_are_visible(layout, causal, window, docs):
+    """The fast interaction matrix (merged visible ranges) says exactly where the exact
+    pair counts are non-zero, on 7 ranks with 1-token, empty and long documents."""
+    from burstmpi.schedule import pair_matrix
+
+    P, N = 7, 7 * 23 + 4
+    cu = np.array([0, 1, 1, 40, 41, 150, 151, 152, N]) if docs else None
+    lay, mask = Layout(layout, P, N, cu), Mask(Window(causal, window), N, cu)
+    np.testing.assert_array_equal(interaction_matrix(lay, mask), pair_matrix(lay, mask) > 0)
