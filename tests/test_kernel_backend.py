@@ -77,3 +77,5 @@ def test_fewer_tokens_than_ranks_on_emulated_kernels(lib, layout):
                           backend=be, tag="kernels uneven ")
     check_against_float64(N=2 * NRANKS + 1, window=(1, 2), layout=layout, dtype="bfloat16", bwd_comm="ring",
                           backend=be, tag="kernels uneven ")
+    check_against_float64(N=3 * NRANKS + 2, causal=True, layout=layout, dtype="float32", bwd_comm="burst",
+                          backend=be, tag="kernels uneven ")

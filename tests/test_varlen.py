@@ -114,6 +114,14 @@ def test_uneven_lengths_against_float64(N, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_with_uneven_lengths(dtype):
+    check_against_float64(N=2 * NRANKS + 3, causal=True, d=64, layout="zigzag", dtype=dtype,
+                          bwd_comm="auto", tag="uneven ")
+    check_against_float64(N=max(1, NRANKS - 1), window=(1, 1), layout="striped", dtype=dtype,
+                          bwd_comm="ring", tag="uneven ")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_every_dtype_with_documents(dtype):
     N = 17 * NRANKS + 3
     check_against_float64(N=N, cu_seqlens=random_docs(N, seed=2, mean=10), causal=True, d=64,
