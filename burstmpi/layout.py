@@ -163,10 +163,6 @@ class Layout:
         """Tokens held by ``rank``."""
         return int(self.counts[rank])
 
-    def segments(self, rank):
-        """The rank's positions as (start, step, count) runs, in local row order."""
-        return self._runs[rank]
-
     def positions(self, rank):
         """Global positions of ``rank``'s local rows (int64, increasing), cached."""
         pos = self._positions.get(rank)

@@ -202,3 +202,18 @@ def test_flops_count_document_pairs():
     # Two documents of 3 and 2 tokens, causal: 6 + 3 visible pairs.
     assert flops(1, 5, 1, 1, True, cu_seqlens=np.array([0, 3, 5])) == 4 * 9
     assert flops(1, 5, 1, 1, False, cu_seqlens=np.array([0, 3, 5])) == 4 * 13
+
+
+def test_baselines_from_before_docs_still_match(tmp_path):
+    """A baseline row without the docs_spec key (older JSON) matches a run without --docs."""
+    from burstmpi import regress
+    from burstmpi.bench import CONFIG_KEYS
+
+    path = tmp_path / "rows.json"
+    res = CliRunner().invoke(main, SMALL + ["-m", "none", "-l", "contiguous", "-J", str(path)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    if RANK == 0:
+        rows = json.loads(path.read_text())["rows"]
+        old = [{k: v for k, v in r.items() if k != "docs_spec"} for r in rows]
+        verdicts = regress.compare(rows, old, 10.0, CONFIG_KEYS)
+        assert [v["status"] for v in verdicts] == ["ok"] * len(rows)
