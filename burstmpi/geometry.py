@@ -13,7 +13,7 @@ import numpy as np
 
 from .layout import layout_of
 from .masks import Mask, Window
-from .masks import count_visible
+from .masks import Block, count_visible
 from .schedule import interaction_matrix
 
 __all__ = ["Geometry", "geometry"]
@@ -50,6 +50,40 @@ class Geometry:
         if self._needs is None:
             self._needs = interaction_matrix(self.layout, self.mask)
         return self._needs.T if mode == "burst" else self._needs
+
+    def travelling_rows(self, role, rank):
+        """The local rows of ``rank``'s block that some other rank sees: only these travel
+        in its packets. ``role`` "k": its keys (seen by other ranks' queries); "q": its
+        queries (seeing other ranks' keys). An int64 index array, increasing, cached.
+
+        A row's visible interval is a range of global positions, every one held by some
+        rank as both query and key; the row is needed elsewhere iff that range holds a
+        position its own rank does not. A document that lies on one rank, or the middle
+        of a block under a narrow window, never leaves home."""
+        idx = self._blocks.get(("rows", role, rank))
+        if idx is None:
+            block = self._block(role, rank)
+            if self.mask.dense:
+                idx = np.arange(len(block.pos))
+            else:
+                own = self.layout.positions(rank)
+                inside = (np.searchsorted(own, block.last, side="right")
+                          - np.searchsorted(own, block.first, side="left"))
+                idx = np.nonzero(inside < block.last - block.first + 1)[0]
+            self._blocks[("rows", role, rank)] = idx
+        return idx
+
+    def travelling_block(self, role, rank):
+        """The ``masks.Block`` of ``rank``'s travelling rows (``travelling_rows``)."""
+        b = self._blocks.get(("travelling", role, rank))
+        if b is None:
+            idx, full = self.travelling_rows(role, rank), self._block(role, rank)
+            b = self._blocks[("travelling", role, rank)] = Block(*(x[idx] for x in full))
+        return b
+
+    def packet_rows(self, role):
+        """Rows of a packet of ``role``: the most any rank sends (the same on every rank)."""
+        return max(len(self.travelling_rows(role, r)) for r in range(self.layout.nranks))
 
     def query_block(self, rank):
         """The ``masks.Block`` of rank's rows as queries (cached)."""

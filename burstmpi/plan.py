@@ -349,7 +349,7 @@ class BurstAttention:
 
     def _packet_bytes(self, mode, dims, dtype):
         acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-        packet, partial = ring.packet_fields(mode, ring.packet_dims(self, dims), dtype, acc)
+        packet, partial = ring.packet_fields(mode, ring.packet_dims(self, dims, ring.ROLE[mode]), dtype, acc)
         return ring.nbytes(packet), ring.nbytes(partial)
 
     def _forward_two_way(self, dims, dtype):

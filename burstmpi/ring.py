@@ -17,9 +17,11 @@ buffering), and the kernels poll the transport between tiles so that MPI keeps m
 the message while NumPy computes.
 
 Ranks may hold different numbers of tokens (any global length; see ``burstmpi.layout``).
-Packets are sized for the largest block and carry the owner's rows first: the kernels
-only ever see the owner's ``count`` rows, so padding rows cost no compute and never
-enter a result.
+A packet carries only the owner's rows that some other rank sees (``Geometry.
+travelling_rows``: rows of documents that stay home, or far from a narrow window's
+reach, never travel), first, in a buffer sized for the most any rank sends; the kernels
+only ever see those rows, so padding costs no compute and never enters a result. A rank's
+own step always computes on its full local arrays.
 """
 
 import time
@@ -40,10 +42,14 @@ def nbytes(fields):
     return sum(field_bytes(shape, dt) for _, shape, dt in fields)
 
 
-def packet_dims(plan, dims):
-    """``dims`` with the sequence length of a packet: the largest block of the layout."""
+# What a phase's packet holds: key rows (K/V travel) or query rows (Q/dO/D/lse travel).
+ROLE = {"forward": "k", "ring": "k", "burst": "q"}
+
+
+def packet_dims(plan, dims, role):
+    """``dims`` with the sequence length of a packet of ``role`` ("k" or "q")."""
     B, _, Z, Zkv, d, dv = dims
-    return B, plan.layout.max_count, Z, Zkv, d, dv
+    return B, plan.geometry.packet_rows(role), Z, Zkv, d, dv
 
 
 def packet_fields(mode, dims, dtype, acc):
@@ -127,11 +133,22 @@ def _from_kv(xp, x, dtype):
     return out
 
 
-def fill_packet(chan, home, C):
-    """Copy this rank's operands (working layouts, ``C`` rows) into the channel's current
-    packet, whose rows past ``C`` stay padding."""
+def _select(xp, rows, count):
+    """An index for ``rows`` of a block of ``count`` rows: a slice when it is all of them."""
+    return slice(0, count) if len(rows) == count else xp.asarray(rows)
+
+
+def fill_packet(chan, home, rows, xp):
+    """Copy this rank's travelling ``rows`` of its operands (working layouts) into the
+    channel's current packet; rows past them stay padding."""
     for name, view in chan.current.items():
-        view[:, :, :C] = home[name]
+        src = home[name]
+        view[:, :, :len(rows)] = src[:, :, _select(xp, rows, src.shape[2])]
+
+
+def packet_rows(fields, n):
+    """Views of the first ``n`` rows of a packet's fields (the valid ones)."""
+    return {name: view[:, :, :n] for name, view in fields.items()}
 
 
 def key_operands(k, v):
@@ -182,12 +199,13 @@ def forward(plan, q, k, v, dims):
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
-    packet, _ = packet_fields("forward", packet_dims(plan, dims), q.dtype, acc)
+    packet, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
     sched = plan.schedule("forward", nbytes(packet), 0)
     (chan,) = plan.channels("forward", [(Channel, packet, TAG_FWD, sched.direction)])
     timer, t_start = Timer(), time.perf_counter()
 
-    fill_packet(chan, key_operands(k, v), C)
+    home_k = key_operands(k, v)
+    fill_packet(chan, home_k, geo.travelling_rows("k", plan.rank), be.xp)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.query_block(plan.rank)
@@ -195,10 +213,13 @@ def forward(plan, q, k, v, dims):
     for t in _steps(plan, chan, sched, timer):
         if sched.compute[t]:
             owner = sched.owners[t]
-            n = plan.layout.count(owner)
-            cur = chan.current
-            timer.run("compute", be.fwd_block, q_rows, cur["k"][:, :, :n], cur["v"][:, :, :n], state,
-                      qb, geo.key_block(owner), plan.scale, poll=chan.progress)
+            if owner == plan.rank:
+                ks, kb = home_k, geo.key_block(owner)
+            else:
+                ks = packet_rows(chan.current, len(geo.travelling_rows("k", owner)))
+                kb = geo.travelling_block("k", owner)
+            timer.run("compute", be.fwd_block, q_rows, ks["k"], ks["v"], state, qb, kb, plan.scale,
+                      poll=chan.progress)
     out, lse = finish_forward(be, state, q.dtype, dims)
     pairs = sum(geo.pairs(plan.rank, o) for o in owners)
     return out, lse, plan.phase_stats([chan], owners, pairs, sched.direction, timer, t_start)
@@ -210,14 +231,17 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     C = dims[1]
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
-    packet, partial = packet_fields(mode, packet_dims(plan, dims), q.dtype, acc)
+    role = ROLE[mode]
+    packet, partial = packet_fields(mode, packet_dims(plan, dims, role), q.dtype, acc)
     sched = plan.schedule(mode, nbytes(packet), nbytes(partial))
     chan, part = plan.channels(mode, [(Channel, packet, TAG_BWD, sched.direction),
                                       (PartialChannel, partial, TAG_PARTIAL, sched.direction)])
     timer, t_start = Timer(), time.perf_counter()
 
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    fill_packet(chan, home_q if mode == "burst" else home_k, C)
+    mine = geo.travelling_rows(role, plan.rank)
+    home = home_q if mode == "burst" else home_k
+    fill_packet(chan, home, mine, xp)
 
     def partials(t):
         # The partial finished at step t-1 leaves with step t's packet; the partial that
@@ -229,26 +253,30 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
 
     for t in _steps(plan, chan, sched, timer, partials):
         owner = sched.owners[t]
-        n = plan.layout.count(owner)  # the packet's valid rows; the rest is padding
-        rows = lambda fields: {name: view[:, :, :n] for name, view in fields.items()}
+        if owner == plan.rank:  # our own step: the full local arrays
+            n, travelling, block = C, home, (geo.query_block if mode == "burst" else geo.key_block)(owner)
+        else:  # the packet's valid rows; the rest is padding
+            n = len(geo.travelling_rows(role, owner))
+            travelling, block = packet_rows(chan.current, n), geo.travelling_block(role, owner)
         if mode == "burst":
-            qs, ks, qrank, krank = rows(chan.current), home_k, owner, plan.rank
+            qs, ks, qb, kb = travelling, home_k, block, geo.key_block(plan.rank)
         else:
-            qs, ks, qrank, krank = home_q, rows(chan.current), plan.rank, owner
+            qs, ks, qb, kb = home_q, travelling, geo.query_block(plan.rank), block
         target = dict(grads)
         if t > 0 and sched.partial_send[t]:
-            target.update(rows(part.send_buffer()))
+            target.update(packet_rows(part.send_buffer(), n))
         if sched.compute[t]:
             timer.run("compute", be.bwd_block, qs["q"], qs["do"], qs["D"], qs["lse"],
                       ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
-                      geo.query_block(qrank), geo.key_block(krank), plan.scale,
-                      poll=lambda: (chan.progress(), part.progress()))
+                      qb, kb, plan.scale, poll=lambda: (chan.progress(), part.progress()))
         if t > 0 and sched.partial_recv[t]:
             for name, view in timer.run("wait", part.received).items():
                 target[name] += view[:, :, :n]
     if sched.partial_home:
+        # Our travelling rows' partial, back from the ring: add it to those rows.
+        at = _select(xp, mine, C)
         for name, view in timer.run("wait", part.received).items():
-            grads[name] += view[:, :, :C]
+            grads[name][:, :, at] += view[:, :, :len(mine)]
     timer.run("wait", part.drain)
 
     del target, qs, ks

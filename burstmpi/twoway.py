@@ -26,7 +26,7 @@ import time
 
 from .comm import Channel
 from .ring import (Timer, _rows, backward_operands, fill_packet, finish_forward, finish_gradients,
-                   key_operands, packet_dims, packet_fields)
+                   key_operands, packet_dims, packet_fields, packet_rows)
 
 __all__ = ["arcs", "TwoWaySchedule", "two_way_bytes", "forward", "backward"]
 
@@ -103,33 +103,33 @@ def forward(plan, q, k, v, dims):
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
-    packet, _ = packet_fields("forward", packet_dims(plan, dims), q.dtype, acc)
+    packet, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
     sched = TwoWaySchedule(geo.needs("forward"), plan.rank)
     up, down = plan.channels("forward-two-way", [(Channel, packet, TAG_UP, +1), (Channel, packet, TAG_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
     home_k = key_operands(k, v)
     for chan in (up, down):
-        fill_packet(chan, home_k, C)
+        fill_packet(chan, home_k, geo.travelling_rows("k", plan.rank), be.xp)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.query_block(plan.rank)
     owners = []
     poll = lambda: (up.progress(), down.progress())
 
-    def block(chan, owner):
-        n = plan.layout.count(owner)
+    def block(ks, kb, owner):
         owners.append(owner)
-        timer.run("compute", be.fwd_block, q_rows, chan.current["k"][:, :, :n], chan.current["v"][:, :, :n],
-                  state, qb, geo.key_block(owner), plan.scale, poll=poll)
+        timer.run("compute", be.fwd_block, q_rows, ks["k"], ks["v"], state, qb, kb, plan.scale, poll=poll)
 
     def compute(t):
         if t == 0:
             if sched.local:
-                block(up, plan.rank)
+                block(home_k, geo.key_block(plan.rank), plan.rank)
             return
         for chan, dplan in ((up, sched.up), (down, sched.down)):
             if dplan.compute[t]:
-                block(chan, dplan.owners[t])
+                o = dplan.owners[t]
+                block(packet_rows(chan.current, len(geo.travelling_rows("k", o))),
+                      geo.travelling_block("k", o), o)
 
     _run(plan, sched.steps, [(up, sched.up), (down, sched.down)], timer, compute)
     out, lse = finish_forward(be, state, q.dtype, dims)
@@ -143,9 +143,8 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
-    pdims = packet_dims(plan, dims)
-    kv_fields, _ = packet_fields("forward", pdims, q.dtype, acc)
-    q_fields, _ = packet_fields("burst", pdims, q.dtype, acc)
+    kv_fields, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
+    q_fields, _ = packet_fields("burst", packet_dims(plan, dims, "q"), q.dtype, acc)
     kv_needs, q_needs = geo.needs("forward"), geo.needs("burst")
     steps = max(TwoWaySchedule(kv_needs, plan.rank).steps, TwoWaySchedule(q_needs, plan.rank).steps)
     kv_s, q_s = TwoWaySchedule(kv_needs, plan.rank, steps), TwoWaySchedule(q_needs, plan.rank, steps)
@@ -154,10 +153,10 @@ def backward(plan, dout, q, k, v, out, lse, dims):
         (Channel, q_fields, TAG_Q_UP, +1), (Channel, q_fields, TAG_Q_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    for chans, home in (((kvu, kvd), home_k), ((qu, qd), home_q)):
+    for chans, home, role in (((kvu, kvd), home_k, "k"), ((qu, qd), home_q, "q")):
         for chan in chans:
-            fill_packet(chan, home, C)
-    rows = lambda fields, n: {name: view[:, :, :n] for name, view in fields.items()}
+            fill_packet(chan, home, geo.travelling_rows(role, plan.rank), be.xp)
+    rows = lambda chan, role, o: packet_rows(chan.current, len(geo.travelling_rows(role, o)))
     qb_home, kb_home = geo.query_block(plan.rank), geo.key_block(plan.rank)
     owners, pairs = [], 0
     chans = (kvu, kvd, qu, qd)
@@ -180,15 +179,15 @@ def backward(plan, dout, q, k, v, out, lse, dims):
                 o = dplan.owners[t]
                 owners.append(o)
                 pairs += geo.pairs(plan.rank, o)
-                run(home_q, rows(chan.current, plan.layout.count(o)), grads["dq"], None, None,
-                    qb_home, geo.key_block(o))
+                run(home_q, rows(chan, "k", o), grads["dq"], None, None, qb_home,
+                    geo.travelling_block("k", o))
         for chan, dplan in ((qu, q_s.up), (qd, q_s.down)):
             if dplan.compute[t]:  # their queries: dK, dV of our keys
                 o = dplan.owners[t]
                 owners.append(o)
                 pairs += geo.pairs(o, plan.rank)
-                run(rows(chan.current, plan.layout.count(o)), home_k, None, grads["dk"], grads["dv"],
-                    geo.query_block(o), kb_home)
+                run(rows(chan, "q", o), home_k, None, grads["dk"], grads["dv"],
+                    geo.travelling_block("q", o), kb_home)
 
     _run(plan, steps, [(kvu, kv_s.up), (kvd, kv_s.down), (qu, q_s.up), (qd, q_s.down)], timer, compute)
     dq, dk, dvv = finish_gradients(be.xp, grads, q.dtype, plan.scale)

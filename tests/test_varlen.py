@@ -244,3 +244,31 @@ def test_local_lengths_that_do_not_match_the_layout_raise_everywhere():
     q = _local(N)[:, : (4 if RANK == 0 else None)]  # rank 0 drops 4 of its 8 tokens
     with pytest.raises(ValueError, match=r"rank 0 has 4, expected"):
         burstmpi.attention(q, q, q, layout="zigzag")
+
+
+def test_only_rows_other_ranks_see_travel():
+    """A packet carries the rows some other rank sees, not the whole block: with a window
+    of 3 on 40-token blocks, the 3 rows at each end of a block; with documents, the rows
+    of the documents that cross a rank boundary."""
+    from burstmpi.ring import nbytes, packet_fields
+
+    C = 40
+    plan, _ = check_against_float64(N=C * NRANKS, C=C, window=(3, 3), layout="contiguous", d=16,
+                                    bwd_comm="burst", tag="docs ")
+    rows = plan.geometry.packet_rows("k")
+    assert rows == (0 if NRANKS == 1 else 3 if NRANKS == 2 else 6)
+    packet, _ = packet_fields("forward", (1, rows, 4, 2, 16, 16), np.float32, np.float32)
+    sent = plan.last_stats.forward.bytes_sent
+    assert sent % max(1, nbytes(packet)) == 0 and sent <= 2 * nbytes(packet)
+    # Documents inside each rank's chunk, but one that crosses from rank 0 into rank 1.
+    N = C * NRANKS
+    cu = np.unique(np.concatenate([np.arange(0, N + 1, C), [C - 5, C + 7] if NRANKS > 1 else [0]]))
+    cu = cu[(cu != C)] if NRANKS > 1 else cu  # the document [C-5, C+7) spans the boundary
+    for mode in ("burst", "ring"):
+        plan, _ = check_against_float64(N=N, C=C, cu_seqlens=cu, causal=True, layout="contiguous", d=16,
+                                        bwd_comm=mode, tag="docs ")
+        geo = plan.geometry
+        if NRANKS > 1:
+            assert geo.travelling_rows("k", 0).tolist() == list(range(C - 5, C))  # seen by rank 1
+            assert geo.travelling_rows("q", 1).tolist() == list(range(7))         # see rank 0's keys
+            assert all(len(geo.travelling_rows("k", r)) == 0 for r in range(1, NRANKS))
