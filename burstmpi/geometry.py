@@ -11,9 +11,8 @@ import functools
 
 import numpy as np
 
-from .layout import layout_of
-from .masks import Mask, Window
-from .masks import Block, count_visible
+from .layout import cache_key, layout_of
+from .masks import Block, Mask, Window, count_visible
 from .schedule import interaction_matrix
 
 __all__ = ["Geometry", "geometry"]
@@ -110,5 +109,4 @@ def _cached(layout_name, nranks, seqlen, lo, hi, cu_key):
 
 def geometry(layout_name, nranks, seqlen, window, cu_seqlens=None):
     """The (cached) geometry of a call; ``cu_seqlens`` are validated int64 offsets."""
-    key = None if cu_seqlens is None else np.ascontiguousarray(cu_seqlens, dtype=np.int64).tobytes()
-    return _cached(layout_name, nranks, int(seqlen), window.lo, window.hi, key)
+    return _cached(layout_name, nranks, int(seqlen), window.lo, window.hi, cache_key(cu_seqlens))

@@ -186,8 +186,13 @@ class Layout:
 def layout_of(name, nranks, seqlen, cu_seqlens=None):
     """``Layout(...)``, cached: a training loop repeating its lengths and packings builds
     each layout once (the zigzag of many documents is a loop over them)."""
-    key = None if cu_seqlens is None else np.ascontiguousarray(cu_seqlens, dtype=np.int64).tobytes()
-    return _layout_of(name, int(nranks), int(seqlen), key)
+    return _layout_of(name, int(nranks), int(seqlen), cache_key(cu_seqlens))
+
+
+def cache_key(cu_seqlens):
+    """Hashable bytes of document offsets (None without documents), for the caches here and
+    in ``burstmpi.geometry``."""
+    return None if cu_seqlens is None else np.ascontiguousarray(cu_seqlens, dtype=np.int64).tobytes()
 
 
 @functools.lru_cache(maxsize=32)
