@@ -73,6 +73,11 @@ class MPITransport:
     def wait(requests):
         MPI.Request.Waitall(requests)
 
+    def allgather(self, send, recv):
+        """Every rank's ``send`` bytes into ``recv`` (rank order), blocking: the decode's
+        one collective per call (``burstmpi.cache``)."""
+        self.comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
+
     @staticmethod
     def progress(requests):
         # Without an asynchronous progress thread MPI moves a large message only inside
@@ -137,6 +142,12 @@ class StagedMPITransport(MPITransport):
     @staticmethod
     def progress(requests):
         return MPI.Request.Testall([r.req for r in requests])
+
+    def allgather(self, send, recv):
+        host_send, host_recv = self._host(send, "gather-send"), self._host(recv, "gather-recv")
+        self._to_host(send, host_send)
+        self.comm.Allgather([host_send, MPI.BYTE], [host_recv, MPI.BYTE])
+        self._to_device(host_recv, recv)
 
 
 def _address(buf):

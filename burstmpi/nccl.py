@@ -165,6 +165,16 @@ class NCCLTransport:
     def progress(requests):
         return False  # NCCL progresses on its own
 
+    def allgather(self, send, recv):
+        """Every rank's ``send`` bytes into ``recv`` on the comm stream, ordered after the
+        kernels that wrote ``send`` and before any that read ``recv`` (no host wait)."""
+        compute = self._cupy.cuda.get_current_stream()
+        self.stream.wait_event(compute.record())
+        self.nccl_comm.allGather(send.data.ptr, recv.data.ptr, send.nbytes, self._nccl.NCCL_UINT8,
+                                 self.stream.ptr)
+        self._last = self.stream.record()
+        compute.wait_event(self._last)
+
     def finish(self):
         """Wait for the phase's last transfers on the host, with a timeout and NCCL's
         asynchronous error check: a dead peer becomes an error here, not a hang."""

@@ -6,20 +6,15 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
-from mpi4py import MPI
 
 from . import ring, twoway
-from .backends import get_backend
-from .backends.cupy_backend import CupyBackend
-from .comm import MPITransport, StagedMPITransport, private_comm
-from .config import settings
-from .device import abort_on_device_error, import_cupy, node_rank, pick_device
+from .device import abort_on_device_error
 from .geometry import geometry
-from .interop import cupyx_pinned, is_host, like, to_device, to_host
+from .interop import like
 from .masks import Window
+from .runtime import Runtime
 from .schedule import Schedule
-from .validate import (agree, check_backward, check_cu_seqlens, check_forward, check_options,
-                       fingerprint, global_layout)
+from .validate import check_backward, check_cu_seqlens, check_forward, check_options, fingerprint, global_layout
 
 __all__ = ["BurstAttention", "PhaseStats", "Stats"]
 
@@ -67,10 +62,11 @@ class Stats:
         return asdict(self)
 
 
-def _kernel_ready(xp, a):
-    if a.flags.c_contiguous and a.data.ptr % 16 == 0:
-        return a
-    return xp.array(a, copy=True, order="C")
+def _delegate(name, doc):
+    """A plan attribute that is its runtime's (settable: tests inject backends and
+    transports)."""
+    return property(lambda self: getattr(self.runtime, name),
+                    lambda self, value: setattr(self.runtime, name, value), doc=doc)
 
 
 class BurstAttention:
@@ -108,6 +104,9 @@ class BurstAttention:
         rank has a GPU of its own. Host arrays always use MPI. Reported in ``last_stats``.
     device : int, optional
         The CUDA device of this rank; default: node-local rank modulo the visible GPUs.
+    runtime : burstmpi.runtime.Runtime, optional
+        Run on another plan's runtime (``KVCache`` does, for its prefill) instead of
+        building one from ``comm``, ``backend``, ``transport`` and ``device``.
 
     ``forward(q, k, v, cu_seqlens=None)`` returns ``(out, lse)`` and ``backward(dout, q, k,
     v, out, lse, cu_seqlens=None)`` returns ``(dq, dk, dv)``; see ``burstmpi.attention``
@@ -117,36 +116,29 @@ class BurstAttention:
     """
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
-                 layout="contiguous", bwd_comm="auto", backend="auto", transport="auto", device=None):
+                 layout="contiguous", bwd_comm="auto", backend="auto", transport="auto", device=None,
+                 runtime=None):
         fn = "BurstAttention"
         check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale,
                       layout=layout, bwd_comm=bwd_comm)
-        if backend not in ("auto", "numpy", "cuda"):
-            raise ValueError(f"{fn}: backend: expected 'auto', 'numpy' or 'cuda', got {backend!r}")
-        if transport not in ("auto", "nccl", "mpi"):
-            raise ValueError(f"{fn}: transport: expected 'auto', 'nccl' or 'mpi', got {transport!r}")
-        if transport == "nccl" and backend == "numpy":
-            raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='numpy' needs 'mpi' or 'auto'")
-        self.transport_name, self.device_arg = transport, device
-        self.user_comm = MPI.COMM_WORLD if comm is None else comm
-        if not isinstance(self.user_comm, MPI.Intracomm):
-            raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
-        self.comm = private_comm(self.user_comm)
-        self.rank, self.nranks = self.comm.Get_rank(), self.comm.Get_size()
+        self.runtime = runtime if runtime is not None else Runtime(
+            fn, comm, backend=backend, transport=transport, device=device)
         self.causal, self.window_arg = bool(causal), None if window is None else tuple(window)
         self.window = Window(causal, window)
-        self.softmax_scale, self.layout_name = softmax_scale, layout
-        self.bwd_comm, self.backend_name = bwd_comm, backend
-        cfg = settings()
-        if backend == "auto" and cfg.backend != "auto":
-            self.backend_name = cfg.backend
-        self._tiles, self._check = (cfg.tile_q, cfg.tile_k), cfg.check
-        self._cuda_aware, self._nccl_timeout = cfg.cuda_aware_mpi, cfg.nccl_timeout
-        self.backend = None
-        self.transport = MPITransport(self.comm)
-        self._channels = {}
-        self._arena = None
+        self.softmax_scale, self.layout_name, self.bwd_comm = softmax_scale, layout, bwd_comm
         self.last_stats = Stats()
+
+    comm = _delegate("comm", "burstmpi's private duplicate of the plan's communicator.")
+    backend = _delegate("backend", "The backend of the last call (None before the first).")
+    transport = _delegate("transport", "How ring buffers travel (``last_stats.transport``).")
+
+    @property
+    def rank(self):
+        return self.runtime.rank
+
+    @property
+    def nranks(self):
+        return self.runtime.nranks
 
     # -- plumbing shared with burstmpi.ring ---------------------------------------------
 
@@ -154,44 +146,13 @@ class BurstAttention:
         return Schedule(self.geometry.needs(mode), self.rank, packet_bytes, partial_bytes)
 
     def channels(self, phase, specs):
-        """The channels of one phase, built on the plan's buffer arena.
-
-        ``specs`` lists (class, fields, tag, direction): a channel sends to rank +
-        direction and receives from rank - direction. Phases never run at the same time,
-        so all of them share one arena as large as the largest phase needs (the forward's
-        K/V double buffer and the backward's packets reuse the same memory). Channels are
-        cached per phase while their shapes stay the same.
-        """
-        key = tuple((cls.__name__, tag, direction, tuple((f, tuple(s), np.dtype(d).str) for f, s, d in fields))
-                    for cls, fields, tag, direction in specs)
-        cached = self._channels.get(phase)
-        if cached is None or cached[0] != key:
-            single = self.nranks == 1
-            need = sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, *_ in specs)
-            if self._arena is None or self._arena.nbytes < need:
-                self._channels.clear()  # they view the old arena; let it go
-                self._arena = None
-                self._arena = self.backend.alloc(need)
-            offset = [0]
-
-            def carve(nbytes):
-                view = self._arena[offset[0]:offset[0] + nbytes]
-                offset[0] += nbytes
-                return view
-
-            chans = [cls(self.transport, fields, send_to=(self.rank + direction) % self.nranks,
-                         recv_from=(self.rank - direction) % self.nranks, tag=tag, alloc=carve,
-                         single=single)
-                     for cls, fields, tag, direction in specs]
-            cached = self._channels[phase] = (key, chans)
-        for c in cached[1]:
-            c.bytes_sent = c.bytes_recv = 0
-        return cached[1]
+        """The channels of one phase (``Runtime.channels``)."""
+        return self.runtime.channels(phase, specs)
 
     @property
     def buffer_bytes(self):
         """Bytes of ring buffers this plan holds (the double buffers and partials)."""
-        return 0 if self._arena is None else int(self._arena.nbytes)
+        return self.runtime.buffer_bytes
 
     def phase_stats(self, chans, owners, pairs, direction, timer, t_start):
         """A phase's ``PhaseStats``. ``owners``: the ranks whose blocks this rank computed
@@ -203,33 +164,18 @@ class BurstAttention:
                           pairs=int(pairs), direction=direction, wall_s=time.perf_counter() - t_start,
                           compute_s=timer.compute, wait_s=timer.wait)
 
-    def _finish(self):
-        """End of a phase: a transport that runs asynchronously (NCCL) checks that its
-        transfers completed, with a timeout, so a dead peer is an error and not a hang."""
-        finish = getattr(self.transport, "finish", None)
-        if finish is not None:
-            finish()
-
     def release(self):
         """Free the ring buffers (they are re-allocated on the next call)."""
-        self._channels.clear()
-        self._arena = None
+        self.runtime.release()
 
     # -- the calls --------------------------------------------------------------------
 
     def _options(self):
+        rt = self.runtime
         return (("causal", self.causal), ("window", self.window_arg),
                 ("softmax_scale", self.softmax_scale), ("layout", self.layout_name),
-                ("bwd_comm", self.bwd_comm), ("backend", self.backend_name),
-                ("transport", self.transport_name))
-
-    def _kind(self, arrays):
-        """The backend this call runs on: "cuda" or "numpy"."""
-        if self.backend is not None and self.backend.name not in ("numpy", "cuda"):
-            return self.backend.name  # injected by a test
-        if self.backend_name != "auto":
-            return self.backend_name
-        return "numpy" if all(is_host(a) for a in arrays.values()) else "cuda"
+                ("bwd_comm", self.bwd_comm), ("backend", rt.backend_name),
+                ("transport", rt.transport_name))
 
     def _prepare(self, fn, arrays, check, cu_seqlens):
         """Convert and check the arguments, agree across ranks, set up per-shape state.
@@ -237,22 +183,12 @@ class BurstAttention:
         One collective (``agree``) compares every rank's arguments and tells each the
         others' local lengths; from those every rank derives the same global layout (or
         raises the same error)."""
+        rt = self.runtime
         error, conv, dims, cu = None, None, None, None
-        kind = self._kind(arrays)
-        if getattr(self.backend, "name", None) != kind:
-            # A first call, or a switch between host and GPU: agree on where to run before
-            # the GPU set-up's collectives (a rank that disagrees then raises, not hangs).
-            agree(self.comm, fn, None, [("runs on", kind)] + list(self._options()))
-            if kind == "cuda":
-                self._use_cuda(fn)
+        kind = rt.kind(arrays)
+        rt.begin(fn, kind, self._options())
         try:
-            if kind == "cuda" and getattr(self.backend, "xp", np) is not np:
-                # The kernels copy rows with 16-byte cp.async: give them contiguous, aligned
-                # arrays (a copy only for the odd strided or offset view).
-                conv = {name: _kernel_ready(self.backend.xp, to_device(a, name, fn, self.backend.xp))
-                        for name, a in arrays.items()}
-            else:
-                conv = {name: to_host(a, name, fn) for name, a in arrays.items()}
+            conv = rt.convert(fn, arrays)
             dims = check(conv)
             cu = check_cu_seqlens(fn, cu_seqlens)
         except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
@@ -269,16 +205,9 @@ class BurstAttention:
         sig.append(("cu_seqlens", fingerprint(cu)))
         # BURSTMPI_CHECK=0 leaves the fingerprint out; the collective itself always runs,
         # since it carries the local lengths the layout is built from.
-        lengths = agree(self.comm, fn, error, sig if self._check else [],
-                        0 if dims is None else dims[1])
+        lengths = rt.agree(fn, error, sig, 0 if dims is None else dims[1])
         if error is not None:  # only reachable with BURSTMPI_CHECK=0
             raise error
-        if self.backend is None or (kind == "numpy" and self.backend.name == "cuda"):
-            if self.backend is not None:  # back from the GPU: host buffers, MPI
-                self.release()
-                self.transport = MPITransport(self.comm)
-            self.backend = get_backend("numpy")
-            self.backend.tile_q, self.backend.tile_k = self._tiles
         self.last_stats.backend, self.last_stats.transport = self.backend.name, self.transport.name
         lay = global_layout(fn, "q.shape[1]", self.layout_name, self.nranks, lengths, cu)
         self.geometry = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu)
@@ -286,54 +215,6 @@ class BurstAttention:
         d = dims[4]
         self.scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)
         return conv, dims
-
-    def _use_cuda(self, fn):
-        """Switch this plan to the GPU: device, CuPy backend and transport (collective).
-
-        Every step that can fail on one rank only is agreed on before the next
-        collective, so a rank without CuPy or without a GPU makes every rank raise
-        instead of leaving the others waiting."""
-        error, cupy = None, None
-        try:
-            cupy = import_cupy(fn)
-        except (NotImplementedError, RuntimeError) as e:
-            error = e
-        agree(self.comm, fn, error, [])
-        local = node_rank(self.comm)
-        error, dev = None, None
-        try:
-            dev = pick_device(fn, local, cupy.cuda.runtime.getDeviceCount(), self.device_arg)
-            cupy.cuda.Device(dev).use()
-        except (ValueError, RuntimeError) as e:
-            error = e
-        agree(self.comm, fn, error, [])
-        self.release()
-        self.backend = CupyBackend(cupy, dev)
-        self.transport = self._gpu_transport(fn, cupy, dev)
-
-    def _gpu_transport(self, fn, cupy, dev):
-        """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
-        from . import nccl
-
-        everyone = self.comm.allgather((MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
-                                        nccl.available()))
-        shared = len({(host, bus) for host, bus, _ in everyone}) < self.nranks
-        ok = all(has_nccl for _, _, has_nccl in everyone)
-        if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
-            return nccl.NCCLTransport(self.comm, dev, timeout_s=self._nccl_timeout)
-        if self._cuda_aware:
-            return MPITransport(self.comm)
-
-        def to_host(buf, out):
-            cupy.cuda.get_current_stream().synchronize()  # the producing kernels are done
-            buf.get(out=out)
-
-        def to_dev(host, buf):
-            buf.set(host)
-            cupy.cuda.get_current_stream().synchronize()  # host buffer free for the next receive
-
-        return StagedMPITransport(self.comm, to_host, to_dev,
-                                  alloc_host=lambda n: cupyx_pinned(cupy, n))
 
     def forward(self, q, k, v, *, cu_seqlens=None):
         """Attention of this rank's queries over the whole ring's keys: ``(out, lse)``."""
@@ -343,7 +224,7 @@ class BurstAttention:
         run = twoway.forward if self._forward_two_way(dims, h["q"].dtype) else ring.forward
         with abort_on_device_error(self.comm):
             out, lse, st = run(self, h["q"], h["k"], h["v"], dims)
-            self._finish()
+            self.runtime.finish()
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         return like(out, q), like(lse, q)
 
@@ -396,7 +277,7 @@ class BurstAttention:
                 dq, dk, dv, st = twoway.backward(self, *args)
             else:
                 dq, dk, dv, st = ring.backward(self, mode, *args)
-            self._finish()
+            self.runtime.finish()
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
         self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)

@@ -17,6 +17,7 @@ from .layout import LAYOUTS
 
 __all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "check_window", "check_options",
            "check_forward", "check_backward", "check_cu_seqlens", "check_lengths", "agree",
+           "report", "checksum",
            "fingerprint", "global_layout"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -157,7 +158,8 @@ def check_lengths(fn, name, layout, lengths):
             f"expected {int(layout.counts[bad[0]])}); make the parts with burstmpi.shard or shard_indices")
 
 
-def _checksum(signature):
+def checksum(signature):
+    """The 31-bit checksum of a signature that ``agree`` (and the decode's merge) compares."""
     return zlib.crc32(repr(signature).encode()) & 0x7FFFFFFF
 
 
@@ -171,14 +173,21 @@ def agree(comm, fn, error, signature, length=0):
     """
     from mpi4py import MPI
 
-    h = _checksum(signature)
+    h = checksum(signature)
     mine = np.array([1 if error else 0, h, int(length)], dtype=np.int64)
     every = np.empty((comm.Get_size(), 3), dtype=np.int64)
     comm.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
     if not every[:, 0].any() and (every[:, 1] == h).all():
         return every[:, 2]
-    report = (None if error is None else (type(error).__name__, str(error)), signature)
-    everyone = comm.allgather(report)
+    report(comm, fn, error, signature)
+
+
+def report(comm, fn, error, signature):
+    """The slow path of a failed agreement, collective: gather every rank's error and
+    signature and raise the same exception on every rank, naming the first rank that
+    failed or the first argument on which the ranks differ."""
+    mine = (None if error is None else (type(error).__name__, str(error)), signature)
+    everyone = comm.allgather(mine)
     failed = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
     if failed:
         rank, (kind, msg) = failed[0]

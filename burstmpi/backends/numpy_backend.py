@@ -21,6 +21,8 @@ FlashAttention-2 merges one K tile into the next.
 import numpy as np
 
 from ..masks import EMPTY, PARTIAL, classify_tiles, tile_mask
+from . import numpy_decode
+from .tile_ops import online_update
 
 __all__ = ["NumpyBackend"]
 
@@ -147,20 +149,21 @@ class NumpyBackend:
                 s = qt @ k[:, :, c0:c1].astype(cd, copy=False).swapaxes(-1, -2)
                 if bias is not None:
                     s.reshape(B, Zkv, r1 - r0, g, c1 - c0)[...] += bias[:, None, :].astype(cd)
-                m_new = np.maximum(m_t, s.max(axis=-1))
-                # A row with no visible key so far keeps m = -inf; shift it by 0 instead,
-                # so exp() sees -inf - 0 = -inf (giving 0) rather than -inf - -inf = NaN.
-                m_safe = np.where(m_new == -np.inf, 0, m_new)
-                alpha = np.exp(m_t - m_safe)
-                s -= m_safe[..., None]
-                np.exp(s, out=s)
-                l_t *= alpha
-                l_t += s.sum(axis=-1)
-                acc_t *= alpha[..., None]
-                acc_t += s @ v[:, :, c0:c1].astype(cd, copy=False)
-                m_t[...] = m_new
+                online_update(s, v[:, :, c0:c1].astype(cd, copy=False), acc_t, m_t, l_t)
                 if poll is not None:
                     poll()
+
+    # -- decode (burstmpi.cache) --------------------------------------------------------
+
+    def decode(self, q, k, v, kpos, n, qpos0, left, scale, out, lse):
+        """T new queries over the first ``n`` rows of a cache shard: a normalised partial
+        written into ``out`` and ``lse`` (``burstmpi.backends.numpy_decode``)."""
+        numpy_decode.decode(q, k, v, kpos, n, qpos0, left, scale, out, lse, rows=self.tile_q)
+
+    @staticmethod
+    def combine(parts_out, parts_lse, out, lse):
+        """Merge normalised partials in a fixed order (``numpy_decode.combine``)."""
+        numpy_decode.combine(parts_out, parts_lse, out, lse)
 
     @staticmethod
     def fwd_finalize(state, dtype):

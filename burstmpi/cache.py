@@ -1,0 +1,473 @@
+"""``KVCache``: exact decode over a key/value cache sharded across the ranks.
+
+Prefill is the ring's causal forward (``BurstAttention``); each rank then keeps the keys
+and values it holds. A decode call takes the T new tokens, the same on every rank; the
+owner of each new position stores its key and value (round-robin by position, so shards
+stay within a token or two of each other as the cache grows), every rank attends the new
+queries to its own shard (``backend.decode``: a split-KV flash-decoding pass giving a
+normalised partial ``(out, lse)``), and the partials are merged with the log-sum-exp
+identity. A ring would need P dependent hops per token and move the whole cache; this
+moves B x T x heads x (dv + 1) numbers per rank, whatever the cached length.
+
+One collective per decode call. Its message is a small header (a status, a checksum of
+the call's arguments including a fingerprint of q, k, v and T, and the call's shape)
+followed by the rank's partial; one allgather gives every rank every partial, and every
+rank merges them in rank order (``backend.combine``), so the result is bitwise the same on
+every rank. The message size must be the same on every rank before the collective starts,
+so it is the size of the last agreed shape (T new tokens, query heads): a call of another
+T announces it in its header and, when every rank announces the same, a second allgather
+of the new size follows (only on the call that changes T). Any error, a checksum that
+differs, or shapes that do not match make every rank raise the same error (through
+``validate.report``) and leave the cache as it was.
+
+With ``window=(left, 0)`` a query sees only the last left + 1 positions: each rank keeps
+its slots as a ring buffer and reuses the slot of its oldest token once no future query
+can see it, so ``capacity`` need only cover the window plus the tokens of one call. A
+windowed prefill sends the live tail of the prompt round-robin over the ranks (one
+all-to-all of at most ``left`` tokens) so that no rank holds more than its share.
+"""
+
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+from .comm import _packet
+from .device import abort_on_device_error
+from .interop import bfloat16, like
+from .layout import LAYOUTS, layout_of
+from .plan import BurstAttention
+from .ring import nbytes
+from .runtime import Runtime
+from .validate import SUPPORTED_DTYPES, checksum, check_forward, check_options, fingerprint, report
+
+__all__ = ["KVCache"]
+
+# The header's status word.
+_OK, _FAILED, _RESHAPE = 0, 1, 2
+
+
+def _dtype(fn, dtype):
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        if bfloat16 is None:
+            raise TypeError(f"{fn}: dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+        return np.dtype(bfloat16)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{fn}: dtype: expected one of {SUPPORTED_DTYPES}, got {dtype!r}") from None
+    if dt.name not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: dtype: expected one of {SUPPORTED_DTYPES}, got {dt}")
+    return dt
+
+
+def _count(fn, name, value, minimum=1):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{fn}: {name}: expected an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _host(a):
+    """A host copy of a (small) array wherever it lives."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+class KVCache:
+    """A key/value cache of up to ``capacity`` global tokens, sharded over ``comm``'s ranks.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm, optional
+        The ranks holding the cache (default ``MPI.COMM_WORLD``); a private duplicate
+        carries burstmpi's traffic.
+    capacity : int
+        Global tokens the cache can hold. Each rank preallocates its share once,
+        ``ceil(capacity / P) + 1`` slots (one slot of slack for the round-robin placement
+        after an uneven prefill). With a window, tokens no query can see any more free
+        their slots, so ``capacity`` need only be ``left`` + the tokens of one call.
+    batch, kv_heads, head_dim : int
+        The shapes of the cached keys, ``(batch, tokens, kv_heads, head_dim)``.
+    v_head_dim : int, optional
+        The values' head dim (default ``head_dim``).
+    dtype : float16, bfloat16, float32 or float64 (NumPy backend only), or its name
+        The dtype of the cache and of every q, k, v passed to it.
+    softmax_scale : float, optional
+        Default ``1 / sqrt(head_dim)``; the prefill's and every decode's.
+    window : (left, right), optional
+        flash-attn's sliding window, causal: ``right`` must be 0 or -1. The query at
+        position i sees positions ``i - left .. i`` (``left = -1``: all earlier ones).
+    backend : {"auto", "numpy", "cuda"}
+        Where the cache lives. "auto" decides on the first call from its arrays (host
+        arrays: NumPy; GPU arrays: the CUDA kernels); later calls with arrays of the other
+        kind are copied to the cache's memory and their results copied back.
+    device : int, optional
+        The CUDA device of this rank (default: node-local rank modulo the visible GPUs).
+
+    Calls (collective over ``comm``): ``prefill(q, k, v, layout=...)`` fills an empty
+    cache from a prompt sharded like ``burstmpi.shard`` makes it and returns this rank's
+    out; ``decode(q, k, v, return_lse=False)`` appends T new tokens and returns their out,
+    the same on every rank; ``seqlen`` is the number of tokens cached; ``release()``
+    frees the memory (the cache cannot be used afterwards).
+    """
+
+    def __init__(self, comm=None, *, capacity, batch, kv_heads, head_dim, v_head_dim=None,
+                 dtype=np.float32, softmax_scale=None, window=None, backend="auto", device=None):
+        fn = "KVCache"
+        self.capacity = _count(fn, "capacity", capacity)
+        if self.capacity >= 2 ** 31:
+            raise ValueError(f"{fn}: capacity: expected fewer than 2**31 tokens (int32 positions), got {capacity}")
+        self.batch = _count(fn, "batch", batch)
+        self.kv_heads = _count(fn, "kv_heads", kv_heads)
+        self.head_dim = _count(fn, "head_dim", head_dim)
+        self.v_head_dim = self.head_dim if v_head_dim is None else _count(fn, "v_head_dim", v_head_dim)
+        self.dtype = _dtype(fn, dtype)
+        check_options(fn, causal=True, window=window, softmax_scale=softmax_scale, layout="contiguous")
+        self.softmax_scale = softmax_scale
+        self.window = None if window is None else tuple(int(w) for w in window)
+        self.left = -1 if window is None else self.window[0]
+        self.scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
+        self.runtime = Runtime(fn, comm, backend=backend, device=device)
+        P = self.runtime.nranks
+        self.slots = -(-self.capacity // P) + (1 if P > 1 else 0)
+        self.seqlen = 0
+        self.heads = None  # query heads, fixed by the first call
+        self._shape = (1, None)  # the agreed (T, heads) that sizes the decode's message
+        self._k = self._v = self._kpos = self._kpos_host = None
+        self._n = self._head = 0  # filled slots; the oldest slot once the ring buffer wraps
+        self._plans, self._message = {}, None
+        self._released = False
+        self._signature = (("capacity", self.capacity), ("batch", self.batch), ("kv_heads", self.kv_heads),
+                           ("head_dim", self.head_dim), ("v_head_dim", self.v_head_dim),
+                           ("dtype", self.dtype.name), ("softmax_scale", softmax_scale),
+                           ("window", self.window), ("backend", self.runtime.backend_name))
+        if self.runtime.backend_name != "auto":
+            self.runtime.begin(fn, self.runtime.backend_name, self._signature)
+            error = None
+            try:
+                self._allocate(fn)
+            except (TypeError, ValueError, MemoryError, RuntimeError) as e:
+                error = e
+            self.runtime.agree(fn, error, self._signature)
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def nbytes(self):
+        """Bytes this rank's share of the cache takes (keys, values and positions)."""
+        return sum(int(a.nbytes) for a in (self._k, self._v, self._kpos) if a is not None)
+
+    def release(self):
+        """Free this rank's share and the call buffers; the cache cannot be used after."""
+        self._k = self._v = self._kpos = self._kpos_host = None
+        self._plans.clear()
+        self._message = None
+        self.runtime.release()
+        self._released = True
+
+    def _allocate(self, fn):
+        if self._k is not None:
+            return
+        be = self.runtime.backend
+        be.acc_dtype(self.dtype)  # raises where the backend lacks the dtype (float64 on GPUs)
+        xp = be.xp
+        B, Zkv, S = self.batch, self.kv_heads, self.slots
+        self._k = xp.zeros((B, Zkv, S, self.head_dim), self.dtype)
+        self._v = xp.zeros((B, Zkv, S, self.v_head_dim), self.dtype)
+        self._kpos_host = np.full(S, -1, np.int32)
+        self._kpos = self._kpos_host if xp is np else xp.asarray(self._kpos_host)
+
+    def _kind(self, arrays):
+        be = self.runtime.backend
+        if self._k is not None:
+            return be.name  # the cache stays where it was allocated
+        return self.runtime.kind(arrays)
+
+    def _begin(self, fn, arrays):
+        """Be on the cache's backend (collective the first time) and convert the arrays."""
+        rt = self.runtime
+        rt.begin(fn, self._kind(arrays), self._signature)
+        if self._released:
+            raise RuntimeError(f"{fn}: the cache was released")
+        self._allocate(fn)
+        return rt.convert(fn, arrays)
+
+    def _check(self, fn, h, decoding):
+        B, C, Z, Zkv, d, dv = check_forward(fn, h["q"], h["k"], h["v"])
+        for name, got, want in (("batch", B, self.batch), ("kv_heads", Zkv, self.kv_heads),
+                                ("head_dim", d, self.head_dim), ("v_head_dim", dv, self.v_head_dim)):
+            if got != want:
+                axis = {"batch": "q.shape[0]", "kv_heads": "k.shape[2]", "head_dim": "q.shape[3]",
+                        "v_head_dim": "v.shape[3]"}[name]
+                raise ValueError(f"{fn}: {axis}: expected the cache's {name} = {want}, got {got}")
+        if h["q"].dtype != self.dtype:
+            raise TypeError(f"{fn}: q.dtype: expected the cache's dtype {self.dtype}, got {h['q'].dtype}")
+        if self.heads is not None and Z != self.heads:
+            raise ValueError(f"{fn}: q.shape[2]: expected the {self.heads} query heads of the cache's "
+                             f"earlier calls, got {Z}")
+        if decoding and C < 1:
+            raise ValueError(f"{fn}: q.shape[1]: expected T >= 1 new tokens, got {C}")
+        return C, Z
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def prefill(self, q, k, v, *, layout="contiguous"):
+        """Fill the empty cache from a prompt: ``q``, ``k``, ``v`` are this rank's part
+        (``burstmpi.shard(x, layout=layout)``). Runs the ring's causal forward (with the
+        cache's window and scale), keeps the keys and values, returns this rank's out.
+
+        Chunked prefill (a prompt after cached tokens) is ``decode`` with the chunk: it
+        takes any number of new tokens, the same on every rank, and attends them to
+        everything cached. ``prefill`` on a non-empty cache raises and says so."""
+        fn = "KVCache.prefill"
+        rt = self.runtime
+        error, C = None, 0
+        arrays = {"q": q, "k": k, "v": v}
+        try:
+            if layout not in LAYOUTS:
+                raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
+            h = self._begin(fn, arrays)
+            C, Z = self._check(fn, h, decoding=False)
+            if self.seqlen:
+                raise ValueError(f"{fn}: the cache already holds {self.seqlen} tokens; prefill fills an "
+                                 "empty cache (append a chunk with decode(q, k, v): any number of new "
+                                 "tokens, the same on every rank)")
+        except (TypeError, ValueError, NotImplementedError, RuntimeError, MemoryError) as e:
+            error = e
+        lengths = rt.agree(fn, error, [("layout", layout)] + list(self._signature), C)
+        N = int(np.sum(lengths))
+        if self.left < 0 and N > self.capacity:
+            raise ValueError(f"{fn}: q: a prompt of {N} tokens (the sum over ranks) does not fit "
+                             f"capacity={self.capacity}")
+        if self.left >= 0 and min(N, self.left) > self.capacity:
+            raise ValueError(f"{fn}: capacity: expected at least the window's {self.left} tokens "
+                             f"(window={self.window}), got {self.capacity}")
+        plan = self._plans.get(layout)
+        if plan is None:
+            plan = self._plans[layout] = BurstAttention(
+                causal=True, window=self.window, softmax_scale=self.softmax_scale, layout=layout,
+                runtime=rt)
+        out, _ = plan.forward(q, k, v)
+        lay = layout_of(layout, rt.nranks, N)
+        with abort_on_device_error(rt.comm):
+            if self.left < 0:
+                self._store(h["k"], h["v"], np.arange(C), lay.positions(rt.rank))
+            else:
+                self._store_window_tail(fn, h["k"], h["v"], lay)
+        self.seqlen, self.heads = N, Z
+        self._shape = (1, Z)
+        return out
+
+    def _store(self, k, v, rows, positions):
+        """Append the rows ``rows`` of (B, C, Zkv, d) arrays ``k``, ``v`` at the next slots."""
+        n = len(rows)
+        xp = self.runtime.backend.xp
+        idx = xp.asarray(rows) if xp is not np else rows
+        self._k[:, :, self._n:self._n + n] = k[:, idx].transpose(0, 2, 1, 3)
+        self._v[:, :, self._n:self._n + n] = v[:, idx].transpose(0, 2, 1, 3)
+        self._kpos_host[self._n:self._n + n] = positions
+        if self._kpos is not self._kpos_host:
+            self._kpos[self._n:self._n + n] = xp.asarray(self._kpos_host[self._n:self._n + n])
+        self._n += n
+
+    def _store_window_tail(self, fn, k, v, lay):
+        """Windowed prefill: keep only the positions a later query can see (the last
+        ``left``), dealt round-robin by position: one all-to-all of those rows."""
+        rt = self.runtime
+        P, me = rt.nranks, rt.rank
+        live = lambda pos: pos >= lay.seqlen - self.left
+        B, Zkv, d, dv = self.batch, self.kv_heads, self.head_dim, self.v_head_dim
+        row = B * Zkv * (d + dv) * self.dtype.itemsize  # bytes of one token's keys and values
+        mine = lay.positions(me)
+        keep = np.nonzero(live(mine))[0]
+        dest = mine[keep] % P
+        order = np.argsort(dest, kind="stable")
+        rows = keep[order]
+        send_counts = np.bincount(dest, minlength=P)
+        # Every rank's positions are known everywhere: what comes from whom, in which order.
+        src_pos = [lay.positions(r)[live(lay.positions(r))] for r in range(P)]
+        src_pos = [p[p % P == me] for p in src_pos]
+        recv_counts = np.array([len(p) for p in src_pos])
+        xp = rt.backend.xp
+        idx = rows if xp is np else xp.asarray(rows)
+        kk = _host(k[:, idx]).transpose(1, 0, 2, 3).reshape(len(rows), B * Zkv * d)
+        vv = _host(v[:, idx]).transpose(1, 0, 2, 3).reshape(len(rows), B * Zkv * dv)
+        send = np.ascontiguousarray(np.concatenate([kk, vv], axis=1)).view(np.uint8)
+        recv = np.empty((int(recv_counts.sum()), row), np.uint8)
+        displ = lambda c: np.concatenate([[0], np.cumsum(c)[:-1]]) * row
+        rt.comm.Alltoallv([send, (send_counts * row, displ(send_counts)), MPI.BYTE],
+                          [recv, (recv_counts * row, displ(recv_counts)), MPI.BYTE])
+        pos = np.concatenate(src_pos)
+        order = np.argsort(pos, kind="stable")  # slots in position order: the oldest first
+        got = recv.view(self.dtype)[order]
+        if len(got) > self.slots:
+            raise ValueError(f"{fn}: capacity: rank {me} must keep {len(got)} tokens of the window, "
+                             f"more than its {self.slots} slots; expected capacity >= {self.left} + the "
+                             f"tokens of one decode call, got {self.capacity}")
+        xp = rt.backend.xp
+        split = lambda a, e: np.ascontiguousarray(a.reshape(-1, B, Zkv, e).transpose(1, 0, 2, 3))
+        kn, vn = split(got[:, :B * Zkv * d], d), split(got[:, B * Zkv * d:], dv)
+        if xp is not np:
+            kn, vn = xp.asarray(kn), xp.asarray(vn)
+        self._store(kn, vn, np.arange(len(got)), pos[order])
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def _slots_for(self, fn, T):
+        """The slots the new tokens this rank owns go to, and what they held before
+        (restored if the call fails): ``(tokens, slots, old positions, n, head)``."""
+        P, me, S = self.runtime.nranks, self.runtime.rank, self.seqlen
+        if self.left < 0 and S + T > self.capacity:
+            raise ValueError(f"{fn}: the cache is full: capacity={self.capacity} tokens, {S} cached, "
+                             f"q.shape[1] = {T} new ones do not fit")
+        if self.left >= 0 and min(S, self.left) + T > self.capacity:
+            raise ValueError(f"{fn}: the cache is full: with window={self.window} a call needs the last "
+                             f"{min(S, self.left)} tokens and its {T} new ones, more than "
+                             f"capacity={self.capacity}")
+        tokens = [t for t in range(T) if (S + t) % P == me]
+        n, head, slots = self._n, self._head, []
+        oldest_seen = S - self.left  # the first new query sees positions from here on
+        for _ in tokens:
+            if n < self.slots:
+                slots.append(n)
+                n += 1
+            elif self.left >= 0 and self._kpos_host[head] < oldest_seen:
+                slots.append(head)
+                head = (head + 1) % self.slots
+            else:
+                raise ValueError(f"{fn}: the cache is full on rank {me}: its {self.slots} slots hold "
+                                 f"tokens a new query still sees (capacity={self.capacity})")
+        return tokens, slots, self._kpos_host[slots].copy(), n, head
+
+    def _write(self, k, v, tokens, slots):
+        if not tokens:
+            return
+        xp = self.runtime.backend.xp
+        pos = (self.seqlen + np.asarray(tokens)).astype(np.int32)
+        t = np.asarray(tokens)
+        s = np.asarray(slots)
+        if xp is not np:
+            t, s = xp.asarray(t), xp.asarray(s)
+        self._k[:, :, s] = k[:, t].transpose(0, 2, 1, 3)
+        self._v[:, :, s] = v[:, t].transpose(0, 2, 1, 3)
+        self._kpos_host[slots] = pos
+        if self._kpos is not self._kpos_host:
+            self._kpos[s] = xp.asarray(pos)
+
+    def _buffers(self, T, Z):
+        """The decode's message (header, lse, out) for shape (T, Z), and the gather buffer."""
+        key = (T, Z)
+        if self._message is not None and self._message[0] == key:
+            return self._message[1]
+        be, P = self.runtime.backend, self.runtime.nranks
+        acc = be.acc_dtype(self.dtype)
+        R = self.batch * T * (Z or 0)
+        fields = [("hdr", (4,), np.int64), ("lse", (R,), acc), ("out", (R, self.v_head_dim), acc)]
+        size = nbytes(fields)
+        raw = be.alloc(size * (P + 1))
+        offset = [0]
+
+        def carve(nb):
+            view = raw[offset[0]:offset[0] + nb]
+            offset[0] += nb
+            return view
+
+        send = _packet(fields, carve)
+        recv_raw = raw[size:]
+        parts = [_packet(fields, carve)[1] for _ in range(P)]
+        msg = (send, recv_raw, parts, R)
+        self._message = (key, msg)
+        return msg
+
+    def decode(self, q, k, v, *, return_lse=False):
+        """Append T new tokens and return their attention over the whole cache.
+
+        ``q`` (batch, T, heads, head_dim), ``k`` (batch, T, kv_heads, head_dim) and ``v``
+        (batch, T, kv_heads, v_head_dim), the same on every rank, for global positions
+        ``seqlen .. seqlen + T - 1``. Token t sees every cached token and new tokens
+        0..t (within the window). Returns ``out`` (batch, T, heads, v_head_dim), the kind
+        and dtype of ``q``, bitwise identical on every rank; with ``return_lse`` also
+        ``lse`` (batch, heads, T) float32 (float64 for float64 caches), natural log.
+        """
+        fn = "KVCache.decode"
+        rt = self.runtime
+        error, h, T, Z, written, sig = None, None, 0, 0, None, []
+        try:
+            h = self._begin(fn, {"q": q, "k": k, "v": v})
+            T, Z = self._check(fn, h, decoding=True)
+            sig = [("T", T), ("heads", Z), ("seqlen", self.seqlen),
+                   ("q", fingerprint(_host(h["q"]))), ("k", fingerprint(_host(h["k"]))),
+                   ("v", fingerprint(_host(h["v"])))]
+            tokens, slots, old, n, head = self._slots_for(fn, T)
+            with abort_on_device_error(rt.comm):
+                self._write(h["k"], h["v"], tokens, slots)
+            written = (slots, old, n, head)
+        except (TypeError, ValueError, NotImplementedError, RuntimeError, MemoryError) as e:
+            error = e
+        sig = list(self._signature) + sig
+        with abort_on_device_error(rt.comm):
+            status = _FAILED if error is not None else (_OK if (T, Z) == self._shape else _RESHAPE)
+            n = written[2] if written else 0
+            parts = self._exchange(h, status, sig, T, Z, self._shape, n)
+            if parts is None:  # every rank announced the same new shape: once more, at that size
+                self._shape = (T, Z)
+                parts = self._exchange(h, _OK, sig, T, Z, self._shape, n)
+            if isinstance(parts, str):
+                self._undo(written)
+                report(rt.comm, fn, error, sig)
+            out, lse = self._merge(parts, T, Z)
+        self._n, self._head = written[2], written[3]
+        self.seqlen += T
+        self.heads = Z
+        out = like(out, q)
+        return (out, like(lse, q)) if return_lse else out
+
+    def _undo(self, written):
+        if written is None:
+            return
+        slots, old, _, _ = written
+        self._kpos_host[slots] = old
+        if self._kpos is not self._kpos_host and slots:
+            xp = self.runtime.backend.xp
+            self._kpos[xp.asarray(np.asarray(slots))] = xp.asarray(old)
+
+    def _exchange(self, h, status, sig, T, Z, shape, n):
+        """The decode's one collective: fill this rank's message (header and, when the
+        shape is the agreed one, its partial), allgather, read every header. Returns the
+        gathered messages' views, None when every rank asks for the same new shape, or
+        "error" (an error, different arguments, or different shapes somewhere)."""
+        be, rt = self.runtime.backend, self.runtime
+        (send_raw, send), recv_raw, parts, R = self._buffers(*shape)
+        if status == _OK:
+            B, Zkv, dv = self.batch, self.kv_heads, self.v_head_dim
+            g = Z // Zkv
+            qg = h["q"].reshape(B, T, Zkv, g, self.head_dim).transpose(0, 2, 1, 3, 4)
+            be.decode(qg, self._k, self._v, self._kpos, n, self.seqlen, self.left, self.scale,
+                      send["out"].reshape(B, T, Zkv, g, dv).transpose(0, 2, 1, 3, 4),
+                      send["lse"].reshape(B, T, Zkv, g).transpose(0, 2, 1, 3))
+        hdr = np.array([status, checksum(sig), T, Z], np.int64)
+        if be.xp is np:
+            send["hdr"][...] = hdr
+        else:
+            send["hdr"][...] = be.xp.asarray(hdr)
+        rt.transport.allgather(send_raw, recv_raw)
+        # The header leads every message (comm._packet puts the widest fields first, and
+        # it is listed first): one copy of the gathered bytes to the host reads them all.
+        got = _host(recv_raw).reshape(rt.nranks, -1)[:, :32].copy().view(np.int64)
+        if (got[:, 0] == _OK).all() and (got[:, 1] == got[0, 1]).all() and status == _OK:
+            return parts
+        if (got[:, 0] == _RESHAPE).all() and (got[:, 1:] == got[0, 1:]).all():
+            return None
+        return "error"
+
+    def _merge(self, parts, T, Z):
+        """Every rank's partial, merged in rank order: out (B, T, Z, dv), lse (B, Z, T)."""
+        be = self.runtime.backend
+        xp = be.xp
+        B, dv = self.batch, self.v_head_dim
+        R = B * T * Z
+        parts_out = xp.stack([p["out"] for p in parts])
+        parts_lse = xp.stack([p["lse"] for p in parts])
+        out = xp.empty((R, dv), self.dtype)
+        lse = xp.empty(R, parts_lse.dtype)
+        be.combine(parts_out, parts_lse, out, lse)
+        return out.reshape(B, T, Z, dv), lse.reshape(B, T, Z).transpose(0, 2, 1)

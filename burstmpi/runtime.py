@@ -1,0 +1,208 @@
+"""What every burstmpi plan runs on: a private communicator, a backend, a device, a transport
+and buffers, with errors made collective.
+
+``BurstAttention`` (the ring) and ``KVCache`` (decode over a sharded cache) are different
+algorithms over the same machinery, so it lives here once. A ``Runtime`` is bound to one
+MPI communicator; plans that share one (a cache's prefill plan and the cache itself) share
+its backend, its NCCL communicator and its buffer arena, since their calls never overlap.
+
+Where a call runs is decided per call from its arrays ("auto"), or fixed by the
+``backend`` argument or ``BURSTMPI_BACKEND``. Switching to the GPU is collective (device,
+CuPy backend and NCCL communicator are set up together on every rank), and every step of
+it that can fail on one rank only is agreed on before the next collective, so a rank
+without CuPy or without a GPU makes every rank raise instead of leaving the others waiting.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from . import ring
+from .backends import get_backend
+from .backends.cupy_backend import CupyBackend
+from .comm import MPITransport, StagedMPITransport, private_comm
+from .config import settings
+from .device import import_cupy, node_rank, pick_device
+from .interop import cupyx_pinned, is_host, to_device, to_host
+from .validate import agree
+
+__all__ = ["Runtime", "kernel_ready"]
+
+BACKENDS = ("auto", "numpy", "cuda")
+TRANSPORTS = ("auto", "nccl", "mpi")
+
+
+def kernel_ready(xp, a):
+    """``a`` as the CUDA kernels want it: C-contiguous and 16-byte aligned (they copy rows
+    with 16-byte cp.async); a copy only for the odd strided or offset view."""
+    if a.flags.c_contiguous and a.data.ptr % 16 == 0:
+        return a
+    return xp.array(a, copy=True, order="C")
+
+
+class Runtime:
+    """The communicator, backend, transport and buffers of one or more plans.
+
+    ``fn`` names the constructor in errors; ``comm``, ``backend``, ``transport`` and
+    ``device`` are the plan's arguments of the same names (see ``BurstAttention``).
+    """
+
+    def __init__(self, fn, comm=None, *, backend="auto", transport="auto", device=None):
+        if backend not in BACKENDS:
+            raise ValueError(f"{fn}: backend: expected 'auto', 'numpy' or 'cuda', got {backend!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"{fn}: transport: expected 'auto', 'nccl' or 'mpi', got {transport!r}")
+        if transport == "nccl" and backend == "numpy":
+            raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='numpy' needs 'mpi' or 'auto'")
+        self.user_comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(self.user_comm, MPI.Intracomm):
+            raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
+        self.comm = private_comm(self.user_comm)
+        self.rank, self.nranks = self.comm.Get_rank(), self.comm.Get_size()
+        self.transport_name, self.device_arg = transport, device
+        cfg = settings()
+        self.backend_name = cfg.backend if backend == "auto" and cfg.backend != "auto" else backend
+        self.tiles, self.check = (cfg.tile_q, cfg.tile_k), cfg.check
+        self._cuda_aware, self._nccl_timeout = cfg.cuda_aware_mpi, cfg.nccl_timeout
+        self.backend = None
+        self.transport = MPITransport(self.comm)
+        self._channels = {}
+        self._arena = None
+
+    # -- where a call runs ----------------------------------------------------------------
+
+    def kind(self, arrays):
+        """The backend a call on ``arrays`` (a dict of name -> array) runs on."""
+        if self.backend is not None and self.backend.name not in ("numpy", "cuda"):
+            return self.backend.name  # injected by a test
+        if self.backend_name != "auto":
+            return self.backend_name
+        return "numpy" if all(is_host(a) for a in arrays.values()) else "cuda"
+
+    def begin(self, fn, kind, options):
+        """Be ready to run on ``kind`` (collective when that changes: a first call, or a
+        switch between host and GPU). ``options`` are the plan's (name, value) pairs, agreed
+        on before the GPU set-up's collectives so a rank that disagrees raises, not hangs."""
+        if getattr(self.backend, "name", None) == kind:
+            return
+        agree(self.comm, fn, None, [("runs on", kind)] + list(options))
+        if kind == "cuda":
+            self._use_cuda(fn)
+        elif self.backend is None or self.backend.name == "cuda":
+            if self.backend is not None:  # back from the GPU: host buffers, MPI
+                self.release()
+                self.transport = MPITransport(self.comm)
+            self.backend = get_backend("numpy")
+            self.backend.tile_q, self.backend.tile_k = self.tiles
+
+    def convert(self, fn, arrays):
+        """The call's arrays in the backend's memory: CuPy arrays ready for the kernels on
+        the GPU (zero-copy where they already are there), NumPy views on the host."""
+        if getattr(self.backend, "xp", np) is not np:
+            xp = self.backend.xp
+            return {name: kernel_ready(xp, to_device(a, name, fn, xp)) for name, a in arrays.items()}
+        return {name: to_host(a, name, fn) for name, a in arrays.items()}
+
+    def agree(self, fn, error, signature, length=0):
+        """``validate.agree`` on this runtime's communicator; ``BURSTMPI_CHECK=0`` leaves
+        the signature out (errors still travel)."""
+        return agree(self.comm, fn, error, signature if self.check else [], length)
+
+    # -- the GPU ----------------------------------------------------------------------------
+
+    def _use_cuda(self, fn):
+        """Switch to the GPU: device, CuPy backend and transport (collective)."""
+        error, cupy = None, None
+        try:
+            cupy = import_cupy(fn)
+        except (NotImplementedError, RuntimeError) as e:
+            error = e
+        agree(self.comm, fn, error, [])
+        local = node_rank(self.comm)
+        error, dev = None, None
+        try:
+            dev = pick_device(fn, local, cupy.cuda.runtime.getDeviceCount(), self.device_arg)
+            cupy.cuda.Device(dev).use()
+        except (ValueError, RuntimeError) as e:
+            error = e
+        agree(self.comm, fn, error, [])
+        self.release()
+        self.backend = CupyBackend(cupy, dev)
+        self.transport = self._gpu_transport(fn, cupy, dev)
+
+    def _gpu_transport(self, fn, cupy, dev):
+        """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
+        from . import nccl
+
+        everyone = self.comm.allgather((MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
+                                        nccl.available()))
+        shared = len({(host, bus) for host, bus, _ in everyone}) < self.nranks
+        ok = all(has_nccl for _, _, has_nccl in everyone)
+        if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
+            return nccl.NCCLTransport(self.comm, dev, timeout_s=self._nccl_timeout)
+        if self._cuda_aware:
+            return MPITransport(self.comm)
+
+        def to_host(buf, out):
+            cupy.cuda.get_current_stream().synchronize()  # the producing kernels are done
+            buf.get(out=out)
+
+        def to_dev(host, buf):
+            buf.set(host)
+            cupy.cuda.get_current_stream().synchronize()  # host buffer free for the next receive
+
+        return StagedMPITransport(self.comm, to_host, to_dev,
+                                  alloc_host=lambda n: cupyx_pinned(cupy, n))
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def channels(self, phase, specs):
+        """The channels of one phase, built on the runtime's buffer arena.
+
+        ``specs`` lists (class, fields, tag, direction): a channel sends to rank +
+        direction and receives from rank - direction. Phases never run at the same time,
+        so all of them share one arena as large as the largest phase needs (the forward's
+        K/V double buffer and the backward's packets reuse the same memory). Channels are
+        cached per phase while their shapes stay the same.
+        """
+        key = tuple((cls.__name__, tag, direction, tuple((f, tuple(s), np.dtype(d).str) for f, s, d in fields))
+                    for cls, fields, tag, direction in specs)
+        cached = self._channels.get(phase)
+        if cached is None or cached[0] != key:
+            single = self.nranks == 1
+            need = sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, *_ in specs)
+            if self._arena is None or self._arena.nbytes < need:
+                self._channels.clear()  # they view the old arena; let it go
+                self._arena = None
+                self._arena = self.backend.alloc(need)
+            offset = [0]
+
+            def carve(nbytes):
+                view = self._arena[offset[0]:offset[0] + nbytes]
+                offset[0] += nbytes
+                return view
+
+            chans = [cls(self.transport, fields, send_to=(self.rank + direction) % self.nranks,
+                         recv_from=(self.rank - direction) % self.nranks, tag=tag, alloc=carve,
+                         single=single)
+                     for cls, fields, tag, direction in specs]
+            cached = self._channels[phase] = (key, chans)
+        for c in cached[1]:
+            c.bytes_sent = c.bytes_recv = 0
+        return cached[1]
+
+    @property
+    def buffer_bytes(self):
+        """Bytes of ring buffers held between calls (the double buffers and partials)."""
+        return 0 if self._arena is None else int(self._arena.nbytes)
+
+    def finish(self):
+        """End of a phase: a transport that runs asynchronously (NCCL) checks that its
+        transfers completed, with a timeout, so a dead peer is an error and not a hang."""
+        finish = getattr(self.transport, "finish", None)
+        if finish is not None:
+            finish()
+
+    def release(self):
+        """Free the ring buffers (they are re-allocated on the next call)."""
+        self._channels.clear()
+        self._arena = None
