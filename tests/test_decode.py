@@ -1,0 +1,251 @@
+"""KVCache: prefill, then decode steps over the sharded cache, against float64 dense attention.
+
+Runs alone and under mpiexec (tests/test_mpi.py). Every decode result is compared with the
+rows of dense causal attention over the whole sequence (prompt and every decoded token) at
+the same positions, under flash-attn's rule, and must be bitwise identical on every rank.
+"""
+
+import tracemalloc
+import zlib
+
+import numpy as np
+import pytest
+
+import burstmpi
+from burstmpi import reference as ref
+from conftest import COMM, DTYPES, NRANKS, RANK, check_close, dtype_of, needs_ranks
+
+
+def run_cache(*, B=1, N0=13, Ts=(1,) * 6, Z=4, Zkv=2, d=16, dv=None, dtype="float32", window=None,
+              layout="contiguous", capacity=None, backend=None, seed=0, tag="decode "):
+    """Prefill ``N0`` tokens, decode ``Ts`` tokens per call; check every result. Returns the cache."""
+    total = N0 + sum(Ts)
+    q, k, v, _ = ref.random_problem(B, total, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
+    cache = burstmpi.KVCache(capacity=total if capacity is None else capacity, batch=B, kv_heads=Zkv,
+                             head_dim=d, v_head_dim=dv, dtype=dtype_of(dtype), window=window)
+    if backend is not None:
+        cache.runtime.backend = backend
+    opts = dict(causal=True, window=window)
+    o64, l64 = ref.forward(q, k, v, **opts)
+    op, lp = ref.forward(q, k, v, precision="plain", **opts)
+    if N0:
+        sh = lambda x: burstmpi.shard(x[:, :N0], layout=layout)
+        out = cache.prefill(sh(q), sh(k), sh(v), layout=layout)
+        check_close(tag + "out", burstmpi.unshard(out, layout=layout), o64[:, :N0], op[:, :N0], dtype)
+    outs, lses, S = [], [], N0
+    for T in Ts:
+        new = slice(S, S + T)
+        inputs = [x[:, new].copy() for x in (q, k, v)]
+        o, lse = cache.decode(*inputs, return_lse=True)
+        for x, y in zip(inputs, (q, k, v)):
+            assert np.array_equal(x.view(np.uint8), y[:, new].view(np.uint8))  # inputs untouched
+        assert o.dtype == q.dtype and o.shape == (B, T, Z, v.shape[3]) and lse.shape == (B, Z, T)
+        outs.append(o)
+        lses.append(lse)
+        S += T
+        assert cache.seqlen == S
+    if Ts:
+        out, lse = np.concatenate(outs, axis=1), np.concatenate(lses, axis=2)
+        check_close(tag + "out", out, o64[:, N0:], op[:, N0:], dtype)
+        check_close(tag + "lse", lse, l64[..., N0:], lp[..., N0:], dtype)
+        # Bitwise the same on every rank.
+        digest = zlib.crc32(np.ascontiguousarray(out).view(np.uint8)) ^ zlib.crc32(lse.tobytes())
+        assert len(set(COMM.allgather(digest))) == 1
+    return cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_then_decode_every_dtype(dtype):
+    run_cache(dtype=dtype, N0=2 * NRANKS + 3, Ts=(1,) * 5 + (3, 1))
+
+
+@pytest.mark.parametrize("Z,Zkv", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_heads_and_layouts(Z, Zkv, layout):
+    run_cache(Z=Z, Zkv=Zkv, layout=layout, N0=3 * NRANKS + 1, Ts=(1, 2, 1, 4), B=2, dv=8)
+
+
+def test_hundred_steps_float32():
+    run_cache(N0=5 * NRANKS + 2, Ts=(1,) * 100, Z=4, Zkv=2, d=16)
+
+
+@pytest.mark.parametrize("N0", [0, 1])
+def test_from_an_empty_or_tiny_cache(N0):
+    # N0 = 0: no prefill at all; N0 = 1: every rank but one holds nothing after it.
+    cache = run_cache(N0=N0, Ts=(1, 1, 2, 1, 5))
+    assert cache.heads == 4
+
+
+@pytest.mark.parametrize("window", [(0, 0), (3, 0), (5, -1)])
+def test_windows_reuse_slots(window):
+    # capacity = the window's left + the largest T: slots of tokens no query sees any more
+    # are reused, here many times over.
+    Ts = (1,) * 12 + (2, 1, 2)
+    cache = run_cache(window=window, N0=4 * NRANKS + 3, Ts=Ts, capacity=window[0] + 2)
+    assert cache.seqlen == 4 * NRANKS + 3 + sum(Ts) > cache.capacity
+
+
+def test_chunked_prefill_is_decode_with_many_tokens():
+    run_cache(N0=2 * NRANKS, Ts=(9, 1, 17, 1))
+
+
+# -- errors: every rank raises the same, and the cache is left as it was --------------------
+
+
+def _problem(T=1, B=1, Z=4, Zkv=2, d=16, seed=3, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((B, T, h, d)).astype(dtype) for h in (Z, Zkv, Zkv)]
+
+
+def _cache(**kw):
+    opts = dict(capacity=8, batch=1, kv_heads=2, head_dim=16)
+    opts.update(kw)
+    return burstmpi.KVCache(**opts)
+
+
+def test_full_cache_raises_and_keeps_state():
+    cache = _cache(capacity=3)
+    cache.decode(*_problem(T=2))
+    with pytest.raises(ValueError, match=r"KVCache.decode: the cache is full: capacity=3 tokens, 2 cached"):
+        cache.decode(*_problem(T=2, seed=4))
+    assert cache.seqlen == 2
+    cache.decode(*_problem(T=1, seed=5))
+    assert cache.seqlen == 3
+    with pytest.raises(ValueError, match="full"):
+        cache.decode(*_problem(T=1, seed=6))
+
+
+def test_window_capacity_too_small():
+    cache = _cache(capacity=4, window=(3, 0))
+    cache.decode(*_problem(T=4))
+    with pytest.raises(ValueError, match=r"with window=\(3, 0\) a call needs the last 3 tokens and its 2 new"):
+        cache.decode(*_problem(T=2, seed=4))
+    cache.decode(*_problem(T=1, seed=5))
+    assert cache.seqlen == 5
+
+
+@pytest.mark.parametrize("what,exc,match", [
+    ("batch", ValueError, r"q.shape\[0\]: expected the cache's batch = 1, got 2"),
+    ("dtype", TypeError, r"q.dtype: expected the cache's dtype float32, got float16"),
+    ("heads", ValueError, r"k.shape\[2\]: expected a divisor of the 3 query heads"),
+    ("head_dim", ValueError, r"q.shape\[3\]: expected the cache's head_dim = 16, got 8"),
+    ("empty", ValueError, r"expected T >= 1 new tokens, got 0"),
+])
+def test_bad_shapes_raise_everywhere(what, exc, match):
+    cache = _cache()
+    cache.decode(*_problem())
+    args = {"batch": lambda: _problem(B=2), "dtype": lambda: _problem(dtype=np.float16),
+            "heads": lambda: _problem(Z=3), "head_dim": lambda: _problem(d=8),
+            "empty": lambda: _problem(T=0)}[what]()
+    with pytest.raises(exc, match=match):
+        cache.decode(*args)
+    assert cache.seqlen == 1
+    cache.decode(*_problem(seed=9))
+    assert cache.seqlen == 2
+
+
+def test_heads_fixed_by_the_first_call():
+    cache = _cache()
+    cache.decode(*_problem(Z=4))
+    with pytest.raises(ValueError, match=r"q.shape\[2\]: expected the 4 query heads of the cache's earlier calls, got 2"):
+        cache.decode(*_problem(Z=2))
+
+
+@needs_ranks(2)
+def test_different_inputs_on_one_rank_raise_everywhere():
+    cache = _cache()
+    cache.decode(*_problem())
+    q, k, v = _problem(seed=4)
+    if RANK == NRANKS - 1:
+        q = q + 1
+    with pytest.raises(ValueError, match=r"KVCache.decode: ranks disagree on q: rank 0 has"):
+        cache.decode(q, k, v)
+    assert cache.seqlen == 1
+    cache.decode(*_problem(seed=4))
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("where", ["first", "later"])
+def test_different_T_on_one_rank_raises_everywhere(where):
+    # Without a prefill the first call also fixes the heads: both paths of the protocol.
+    cache = _cache()
+    if where == "later":
+        cache.decode(*_problem(T=2))
+    T = 3 if RANK == 0 else 1
+    with pytest.raises(ValueError, match=r"ranks disagree on T: rank 0 has 3, rank 1 has 1"):
+        cache.decode(*_problem(T=T, seed=4))
+    cache.decode(*_problem(T=2, seed=5))
+    assert cache.seqlen == (4 if where == "later" else 2)
+
+
+@needs_ranks(2)
+def test_one_rank_failing_makes_every_rank_raise():
+    cache = _cache()
+    args = _problem(B=2) if RANK == 1 else _problem()
+    with pytest.raises(ValueError, match=r"rank 1: KVCache.decode: q.shape\[0\]"):
+        cache.decode(*args)
+
+
+def test_prefill_on_a_filled_cache_says_use_decode():
+    cache = _cache()
+    cache.decode(*_problem())
+    q, k, v = (burstmpi.shard(x) for x in _problem(T=2 * NRANKS))
+    with pytest.raises(ValueError, match=r"already holds 1 tokens; prefill fills an empty cache \(append a chunk with decode"):
+        cache.prefill(q, k, v)
+
+
+def test_prompt_longer_than_the_capacity():
+    q, k, v = (burstmpi.shard(x) for x in _problem(T=9))
+    with pytest.raises(ValueError, match=r"a prompt of 9 tokens .* does not fit capacity=8"):
+        _cache().prefill(q, k, v)
+
+
+def test_released_cache():
+    cache = _cache()
+    cache.decode(*_problem())
+    cache.release()
+    assert cache.nbytes == 0
+    with pytest.raises(RuntimeError, match="KVCache.decode: the cache was released"):
+        cache.decode(*_problem())
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(capacity=0), ValueError, r"KVCache: capacity: expected an integer >= 1, got 0"),
+    (dict(window=(4, 2)), ValueError, r"KVCache: window: with causal=True the right bound must be 0 or -1"),
+    (dict(dtype="int8"), TypeError, r"KVCache: dtype: expected one of"),
+    (dict(batch=True), ValueError, r"KVCache: batch: expected an integer >= 1, got True"),
+    (dict(softmax_scale="0.1"), TypeError, r"KVCache: softmax_scale"),
+])
+def test_bad_constructor_arguments(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _cache(**kw)
+
+
+def test_memory_is_the_share_plus_per_call_buffers():
+    cap, B, Zkv, d = 10_000, 1, 2, 16
+    cache = _cache(capacity=cap)
+    per_token = B * Zkv * (d + d) * 4 + 4  # keys, values and the int32 position
+    cache.decode(*_problem())
+    slots = -(-cap // NRANKS) + (1 if NRANKS > 1 else 0)
+    assert cache.nbytes == slots * per_token
+
+
+def test_a_decode_allocates_nothing_proportional_to_the_cache(monkeypatch):
+    # Peak host allocation of one decode call on a 1K-token and a 4K-token shard: the same
+    # bound (a chunk of scores, here made smaller than both shards), not 4x.
+    from burstmpi.backends import numpy_decode
+
+    monkeypatch.setattr(numpy_decode, "_MAX_CHUNK", 256)
+    peaks = []
+    for n in (1024, 4096):
+        n_global = n * NRANKS
+        cache = _cache(capacity=n_global + 2, head_dim=8)
+        q, k, v = _problem(T=n_global, d=8)
+        cache.prefill(*(burstmpi.shard(x) for x in (q, k, v)))
+        cache.decode(*_problem(d=8, seed=1))
+        tracemalloc.start()
+        cache.decode(*_problem(d=8, seed=2))
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        cache.release()
+    assert peaks[1] < 1.5 * peaks[0] + 65536, peaks
