@@ -28,6 +28,8 @@ all-to-all of at most ``left`` tokens) so that no rank holds more than its share
 """
 
 import math
+import time
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -35,13 +37,14 @@ from mpi4py import MPI
 from .comm import _packet
 from .device import abort_on_device_error
 from .interop import bfloat16, like
-from .layout import LAYOUTS, layout_of
+from .layout import LAYOUTS
 from .plan import BurstAttention
 from .ring import nbytes
 from .runtime import Runtime
-from .validate import SUPPORTED_DTYPES, checksum, check_forward, check_options, fingerprint, report
+from .validate import (SUPPORTED_DTYPES, checksum, check_forward, check_options, fingerprint,
+                       global_layout, report)
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "DecodeStats"]
 
 # The header's status word.
 _OK, _FAILED, _RESHAPE = 0, 1, 2
@@ -70,6 +73,27 @@ def _count(fn, name, value, minimum=1):
 def _host(a):
     """A host copy of a (small) array wherever it lives."""
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+@dataclass
+class DecodeStats:
+    """What this rank did in the last decode call.
+
+    ``message_bytes`` is this rank's part of the merge collective (a header and its
+    partial out and lse); an allgather moves ``(P - 1) * message_bytes`` per rank
+    (``bytes_moved``), whatever the cached length. ``collectives`` is 1, or 2 on a call
+    that changed the number of new tokens. ``compute_s`` is the local decode (the backend's
+    kernels), ``merge_s`` the collective and the merge, ``wall_s`` the whole call.
+    """
+
+    tokens: int = 0
+    cached: int = 0
+    message_bytes: int = 0
+    bytes_moved: int = 0
+    collectives: int = 0
+    compute_s: float = 0.0
+    merge_s: float = 0.0
+    wall_s: float = 0.0
 
 
 class KVCache:
@@ -105,9 +129,12 @@ class KVCache:
 
     Calls (collective over ``comm``): ``prefill(q, k, v, layout=...)`` fills an empty
     cache from a prompt sharded like ``burstmpi.shard`` makes it and returns this rank's
-    out; ``decode(q, k, v, return_lse=False)`` appends T new tokens and returns their out,
-    the same on every rank; ``seqlen`` is the number of tokens cached; ``release()``
-    frees the memory (the cache cannot be used afterwards).
+    out; ``load(k, v, layout=...)`` fills it with a prompt's keys and values without
+    computing attention (a prefill done elsewhere); ``decode(q, k, v, return_lse=False)``
+    appends T new tokens and returns their out, the same on every rank; ``seqlen`` is the
+    number of tokens cached; ``release()`` frees the memory (the cache cannot be used
+    afterwards). Local: ``shard()`` gives this rank's cached keys, values and positions,
+    ``nbytes`` their memory, ``last_stats`` what the last decode did (``DecodeStats``).
     """
 
     def __init__(self, comm=None, *, capacity, batch, kv_heads, head_dim, v_head_dim=None,
@@ -136,6 +163,7 @@ class KVCache:
         self._n = self._head = 0  # filled slots; the oldest slot once the ring buffer wraps
         self._plans, self._message = {}, None
         self._released = False
+        self.last_stats = DecodeStats()
         self._signature = (("capacity", self.capacity), ("batch", self.batch), ("kv_heads", self.kv_heads),
                            ("head_dim", self.head_dim), ("v_head_dim", self.v_head_dim),
                            ("dtype", self.dtype.name), ("softmax_scale", softmax_scale),
@@ -155,6 +183,13 @@ class KVCache:
     def nbytes(self):
         """Bytes this rank's share of the cache takes (keys, values and positions)."""
         return sum(int(a.nbytes) for a in (self._k, self._v, self._kpos) if a is not None)
+
+    def shard(self):
+        """This rank's cached keys (batch, n, kv_heads, head_dim), values and their global
+        positions (n,), in slot order: views of the cache (do not modify them)."""
+        n = self._n
+        return (self._k[:, :, :n].transpose(0, 2, 1, 3), self._v[:, :, :n].transpose(0, 2, 1, 3),
+                self._kpos_host[:n].astype(np.int64))
 
     def release(self):
         """Free this rank's share and the call buffers; the cache cannot be used after."""
@@ -192,6 +227,16 @@ class KVCache:
         return rt.convert(fn, arrays)
 
     def _check(self, fn, h, decoding):
+        """This call's (tokens, query heads) after checking its arrays against the cache."""
+        if "q" not in h:  # load: keys and values only
+            for name, x, e in (("k", h["k"], self.head_dim), ("v", h["v"], self.v_head_dim)):
+                want = (self.batch, h["k"].shape[1] if h["k"].ndim == 4 else None, self.kv_heads, e)
+                if x.ndim != 4 or tuple(x.shape) != want:
+                    raise ValueError(f"{fn}: {name}.shape: expected (batch, tokens, kv_heads, head_dim) = "
+                                     f"{want} for this cache, got {tuple(x.shape)}")
+                if x.dtype != self.dtype:
+                    raise TypeError(f"{fn}: {name}.dtype: expected the cache's dtype {self.dtype}, got {x.dtype}")
+            return h["k"].shape[1], self.heads
         B, C, Z, Zkv, d, dv = check_forward(fn, h["q"], h["k"], h["v"])
         for name, got, want in (("batch", B, self.batch), ("kv_heads", Zkv, self.kv_heads),
                                 ("head_dim", d, self.head_dim), ("v_head_dim", dv, self.v_head_dim)):
@@ -219,43 +264,62 @@ class KVCache:
         takes any number of new tokens, the same on every rank, and attends them to
         everything cached. ``prefill`` on a non-empty cache raises and says so."""
         fn = "KVCache.prefill"
+        h, lay, Z = self._admit(fn, {"q": q, "k": k, "v": v}, layout)
+        plan = self._plans.get(layout)
+        if plan is None:
+            plan = self._plans[layout] = BurstAttention(
+                causal=True, window=self.window, softmax_scale=self.softmax_scale, layout=layout,
+                runtime=self.runtime)
+        out, _ = plan.forward(q, k, v)
+        self._keep(fn, h, lay, Z)
+        return out
+
+    def load(self, k, v, *, layout="contiguous"):
+        """Fill the empty cache with a prompt's keys and values (this rank's part, as
+        ``burstmpi.shard(x, layout=layout)`` gives it) without computing attention: for a
+        prefill done elsewhere, or a benchmark. Collective."""
+        fn = "KVCache.load"
+        h, lay, _ = self._admit(fn, {"k": k, "v": v}, layout)
+        self._keep(fn, h, lay, self.heads)
+
+    def _admit(self, fn, arrays, layout):
+        """Check a prompt on every rank (one collective): its arrays in the cache's memory,
+        the global layout its parts make, its query heads."""
         rt = self.runtime
-        error, C = None, 0
-        arrays = {"q": q, "k": k, "v": v}
+        error, h, C, Z = None, None, 0, None
         try:
             if layout not in LAYOUTS:
                 raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
             h = self._begin(fn, arrays)
             C, Z = self._check(fn, h, decoding=False)
             if self.seqlen:
-                raise ValueError(f"{fn}: the cache already holds {self.seqlen} tokens; prefill fills an "
-                                 "empty cache (append a chunk with decode(q, k, v): any number of new "
+                raise ValueError(f"{fn}: the cache already holds {self.seqlen} tokens; {fn.split('.')[1]} fills "
+                                 "an empty cache (append a chunk with decode(q, k, v): any number of new "
                                  "tokens, the same on every rank)")
         except (TypeError, ValueError, NotImplementedError, RuntimeError, MemoryError) as e:
             error = e
-        lengths = rt.agree(fn, error, [("layout", layout)] + list(self._signature), C)
-        N = int(np.sum(lengths))
+        lengths = rt.agree(fn, error, [("layout", layout), ("heads", Z)] + list(self._signature), C)
+        lay = global_layout(fn, "k.shape[1]", layout, rt.nranks, lengths, None)
+        N = lay.seqlen
         if self.left < 0 and N > self.capacity:
-            raise ValueError(f"{fn}: q: a prompt of {N} tokens (the sum over ranks) does not fit "
+            raise ValueError(f"{fn}: k: a prompt of {N} tokens (the sum over ranks) does not fit "
                              f"capacity={self.capacity}")
         if self.left >= 0 and min(N, self.left) > self.capacity:
             raise ValueError(f"{fn}: capacity: expected at least the window's {self.left} tokens "
                              f"(window={self.window}), got {self.capacity}")
-        plan = self._plans.get(layout)
-        if plan is None:
-            plan = self._plans[layout] = BurstAttention(
-                causal=True, window=self.window, softmax_scale=self.softmax_scale, layout=layout,
-                runtime=rt)
-        out, _ = plan.forward(q, k, v)
-        lay = layout_of(layout, rt.nranks, N)
+        return h, lay, Z
+
+    def _keep(self, fn, h, lay, Z):
+        """Store the prompt's keys and values: where they are, or (windowed) the live tail
+        round-robin."""
+        rt = self.runtime
         with abort_on_device_error(rt.comm):
             if self.left < 0:
-                self._store(h["k"], h["v"], np.arange(C), lay.positions(rt.rank))
+                self._store(h["k"], h["v"], np.arange(h["k"].shape[1]), lay.positions(rt.rank))
             else:
                 self._store_window_tail(fn, h["k"], h["v"], lay)
-        self.seqlen, self.heads = N, Z
+        self.seqlen, self.heads = lay.seqlen, Z
         self._shape = (1, Z)
-        return out
 
     def _store(self, k, v, rows, positions):
         """Append the rows ``rows`` of (B, C, Zkv, d) arrays ``k``, ``v`` at the next slots."""
@@ -390,6 +454,8 @@ class KVCache:
         """
         fn = "KVCache.decode"
         rt = self.runtime
+        t_start = time.perf_counter()
+        self._compute_s, self._calls = 0.0, 0
         error, h, T, Z, written, sig = None, None, 0, 0, None, []
         try:
             h = self._begin(fn, {"q": q, "k": k, "v": v})
@@ -418,6 +484,11 @@ class KVCache:
         self._n, self._head = written[2], written[3]
         self.seqlen += T
         self.heads = Z
+        wall = time.perf_counter() - t_start
+        size = self._message[1][0][0].nbytes
+        self.last_stats = DecodeStats(tokens=T, cached=self.seqlen, message_bytes=size,
+                                      bytes_moved=(rt.nranks - 1) * size, collectives=self._calls,
+                                      compute_s=self._compute_s, merge_s=wall - self._compute_s, wall_s=wall)
         out = like(out, q)
         return (out, like(lse, q)) if return_lse else out
 
@@ -441,15 +512,18 @@ class KVCache:
             B, Zkv, dv = self.batch, self.kv_heads, self.v_head_dim
             g = Z // Zkv
             qg = h["q"].reshape(B, T, Zkv, g, self.head_dim).transpose(0, 2, 1, 3, 4)
+            t0 = time.perf_counter()
             be.decode(qg, self._k, self._v, self._kpos, n, self.seqlen, self.left, self.scale,
                       send["out"].reshape(B, T, Zkv, g, dv).transpose(0, 2, 1, 3, 4),
                       send["lse"].reshape(B, T, Zkv, g).transpose(0, 2, 1, 3))
+            self._compute_s += time.perf_counter() - t0
         hdr = np.array([status, checksum(sig), T, Z], np.int64)
         if be.xp is np:
             send["hdr"][...] = hdr
         else:
             send["hdr"][...] = be.xp.asarray(hdr)
         rt.transport.allgather(send_raw, recv_raw)
+        self._calls += 1
         # The header leads every message (comm._packet puts the widest fields first, and
         # it is listed first): one copy of the gathered bytes to the host reads them all.
         got = _host(recv_raw).reshape(rt.nranks, -1)[:, :32].copy().view(np.int64)

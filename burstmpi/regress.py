@@ -1,6 +1,6 @@
 """Regression mode of burstmpi-bench: compare a run with a stored JSON baseline.
 
-A row regresses when its forward+backward time exceeds the baseline's by more than the
+A row regresses when its time (forward+backward, or a decode call's) exceeds the baseline's by more than the
 tolerance (a fraction: 0.1 allows 10 % slower), or when it has wrong values. Rows are
 matched on the configuration keys (``bench.CONFIG_KEYS``); a row without a baseline is
 reported as new and does not fail. ``junit_xml`` writes the same verdicts for CI systems.
@@ -32,14 +32,14 @@ def describe(row, keys):
     return " ".join(f"{k}={row.get(k)}" for k in keys)
 
 
-def compare(rows, baseline, tolerance, keys):
+def compare(rows, baseline, tolerance, keys, metric=METRIC):
     """One verdict per row: dict(row, base, ratio, status) with status "ok", "regressed",
-    "wrong" or "new"."""
+    "wrong" or "new"; ``metric`` is the time compared (each bench mode has its own)."""
     base = {_key(r, keys): r for r in baseline}
     out = []
     for row in rows:
         b = base.get(_key(row, keys))
-        ratio = None if b is None else row[METRIC] / b[METRIC]
+        ratio = None if b is None else row[metric] / b[metric]
         if row.get("wrong", 0) > 0:
             status = "wrong"
         elif b is None:
@@ -52,18 +52,18 @@ def compare(rows, baseline, tolerance, keys):
     return out
 
 
-def junit_xml(verdicts, keys, suite="burstmpi-bench"):
+def junit_xml(verdicts, keys, suite="burstmpi-bench", metric=METRIC):
     """JUnit XML text: one test case per configuration, failed when wrong or regressed."""
     failures = sum(v["status"] in ("wrong", "regressed") for v in verdicts)
     ts = ET.Element("testsuite", name=suite, tests=str(len(verdicts)), failures=str(failures))
     for v in verdicts:
         row = v["row"]
         case = ET.SubElement(ts, "testcase", classname=suite, name=describe(row, keys),
-                             time=f"{row[METRIC] / 1e3:.6f}")
+                             time=f"{row[metric] / 1e3:.6f}")
         if v["status"] == "wrong":
             ET.SubElement(case, "failure", message=f"{row['wrong']} wrong values against float64")
         elif v["status"] == "regressed":
             ET.SubElement(case, "failure", message=(
-                f"f+b {row[METRIC]:.2f} ms vs baseline {v['base'][METRIC]:.2f} ms "
+                f"{metric} {row[metric]:.3f} vs baseline {v['base'][metric]:.3f} "
                 f"({100 * (v['ratio'] - 1):+.1f} %)"))
     return ET.tostring(ts, encoding="unicode")

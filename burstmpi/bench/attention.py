@@ -1,4 +1,5 @@
-"""burstmpi-bench: time and check distributed attention, the way nccl-tests does for NCCL.
+"""burstmpi-bench's attention mode: time and check the ring's forward and backward, the way
+nccl-tests does for NCCL.
 
 Run it under the MPI launcher; the number of ranks is mpiexec's business:
 
@@ -55,11 +56,6 @@ compares with a stored JSON run and exits 3 when a configuration got slower than
 tolerance allows, optionally writing JUnit XML for CI systems; progress goes to stderr.
 """
 
-import json
-import os
-import resource
-import socket
-import sys
 import time
 import tracemalloc
 
@@ -67,23 +63,18 @@ import click
 import numpy as np
 from mpi4py import MPI
 
-from . import __version__, packing, reference, regress
-from .api import shard_indices, unshard
-from .interop import bfloat16
-from .layout import LAYOUTS
-from .masks import Mask, Window
-from .plan import BurstAttention
+from .. import packing, reference
+from ..api import shard_indices, unshard
+from ..masks import Mask, Window
+from ..plan import BurstAttention
+from ..layout import LAYOUTS
+from .common import (DTYPES, REDUCE, TOLERANCE, Device, choices, cores, idle_barrier, np_dtype,
+                     resolve_device, seqlens, sweep, timed, wall)
 
-__all__ = ["main", "flops"]
+__all__ = ["COLUMNS", "CONFIG_KEYS", "PRESETS", "flops", "run_config", "main"]
 
-DTYPES = ["float16", "bfloat16", "float32", "float64"]
-# |ours - float64| > atol + rtol |float64| counts as wrong (a regression check, not a
-# precision study: the test suite holds the tight flash-attn style bounds).
-TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-4, 1e-4),
-             "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2)}
-REDUCE = {0: ("rank 0", lambda v: v[0]), 1: ("average", np.mean), 2: ("minimum", np.min),
-          3: ("maximum", np.max)}
 CHECK_ROWS = 64
+
 
 # (key, header, units, width, format); the JSON rows carry the same keys.
 COLUMNS = [
@@ -104,9 +95,12 @@ COLUMNS = [
     ("imbalance", "imbal", "pairs", 5, ".2f"), ("peak_mb", "peak", "MB/rk", 7, ".0f"),
     ("wrong", "#wrong", "", 6, "d"),
 ]
+
+
 # The keys that identify a configuration (regression mode matches rows on them).
 CONFIG_KEYS = ("seqlen", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                "bwd_mode", "ranks", "docs_spec")
+
 
 # Published setups, so users can compare directly. Lengths are global; "per_rank" ones
 # scale with the number of ranks.
@@ -121,14 +115,20 @@ PRESETS = {
     "varlen": dict(heads=8, kv_heads=8, head_dim=128, mask="causal", layout="zigzag",
                    docs="lognormal:4096", minseq=16 * 1024, maxseq=32 * 1024, stepfactor=2),
 }
+
+
 MEMORY_COLUMNS = [
     ("fwd_operands_mb", "fwd", "oper MB", 8, ".0f"), ("fwd_traced_peak_mb", "fwd", "peak MB", 8, ".0f"),
     ("bwd_operands_mb", "bwd", "oper MB", 8, ".0f"), ("bwd_traced_peak_mb", "bwd", "peak MB", 8, ".0f"),
 ]
+
+
 PADDED_COLUMNS = [
     ("pad_fwdbwd_ms", "pad f+b", "ms", 9, ".1f"), ("pad_mb_sent", "pad", "MB/rk", 8, ".1f"),
     ("pad_ratio", "pad", "tok x", 5, ".2f"), ("vs_padded", "vs", "padded", 6, ".2f"),
 ]
+
+
 TORCH_COLUMNS = [
     ("torch_fwd_tflops", "torch", "fwd TF/s", 8, ".3f"),
     ("torch_fwdbwd_tflops", "torch", "f+b TF/s", 8, ".3f"),
@@ -150,31 +150,6 @@ def flops(batch, seqlen, heads, head_dim, causal, phase="fwd", window=None, cu_s
     return {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}[phase]
 
 
-def parse_size(ctx, param, value):
-    """'4K' -> 4096, '1M' -> 1048576, '1000' -> 1000."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    try:
-        n = int(text[:-1] if mult > 1 else text) * mult
-    except ValueError:
-        raise click.BadParameter(f"expected a length like 4096, 4K or 1M, got {value!r}")
-    if n < 1:
-        raise click.BadParameter(f"expected a positive length, got {value!r}")
-    return n
-
-
-def parse_window(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        left, right = (int(x) for x in value.split(","))
-    except ValueError:
-        raise click.BadParameter(f"expected LEFT,RIGHT (e.g. 256,0), got {value!r}")
-    return (left, right)
-
-
 def _docs(spec):
     """A --docs SPEC, checked (or None)."""
     if spec is None:
@@ -184,140 +159,6 @@ def _docs(spec):
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--docs")
     return spec
-
-
-def _choices(value, allowed):
-    return list(allowed) if value == "all" else [value]
-
-
-def _cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def _blas_threads(comm):
-    """Cap BLAS threads so the ranks on one node do not oversubscribe its cores.
-
-    OpenBLAS starts one thread per core in every rank; four ranks on four cores would
-    then run sixteen threads and go several times slower. Returns a threadpoolctl
-    limiter (keep it alive for the run) and a line for the preamble.
-    """
-    from threadpoolctl import threadpool_info, threadpool_limits
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = local.Get_size()
-    local.Free()
-    cores = _cores()
-    share = max(1, cores // ranks_here)
-    now = max([p.get("num_threads", 1) for p in threadpool_info() if p.get("user_api") == "blas"],
-              default=1)
-    limiter = threadpool_limits(limits=share, user_api="blas") if now > share else None
-    return limiter, (f"#  BLAS threads per rank: {min(now, share)} ({cores} cores, "
-                     f"{ranks_here} ranks on rank 0's node); torch, when asked for, gets {cores}")
-
-
-def _say(comm, *lines):
-    if comm.Get_rank() == 0:
-        for line in lines:
-            click.echo(line)
-        sys.stdout.flush()
-
-
-def _seqlens(minseq, maxseq, factor):
-    out, n = [], minseq
-    while n <= maxseq:
-        out.append(n)
-        if factor <= 1:
-            break
-        n *= factor
-    return out
-
-
-def _np_dtype(name):
-    return bfloat16 if name == "bfloat16" else np.dtype(name)
-
-
-def cpu_line():
-    """The CPU's model and vector extensions: NumPy's exp and every CPU figure depend on them."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ["avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
-    have = [f for f in wanted if f in flags]
-    return (f"#  CPU: {model}, {os.cpu_count()} cores visible; vector flags: {' '.join(have) or 'none found'}"
-            + ("" if "avx512f" in flags else " (no AVX-512)"))
-
-
-def _peak_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
-
-
-class Device:
-    """Where the bench's arrays live: the host (NumPy) or this rank's GPU (CuPy)."""
-
-    def __init__(self, backend, cupy=None):
-        self.backend, self.cupy = backend, cupy
-        self.xp = cupy if cupy is not None else np
-
-    def put(self, x):
-        return x if self.cupy is None else self.cupy.asarray(x)
-
-    @staticmethod
-    def host(x):
-        get = getattr(x, "get", None)
-        return np.asarray(get() if get is not None else x)
-
-    def sync(self):
-        if self.cupy is not None:
-            self.cupy.cuda.get_current_stream().synchronize()
-
-    def peak_mb(self):
-        """Host: the process's maximum resident set. GPU: bytes CuPy's pool holds."""
-        if self.cupy is None:
-            return _peak_mb()
-        return self.cupy.get_default_memory_pool().total_bytes() / 1e6
-
-    def describe(self):
-        if self.cupy is None:
-            return "cpu (numpy)"
-        dev = self.cupy.cuda.Device()
-        name = self.cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-        return f"cuda:{dev.id} {name}"
-
-
-def _device(comm, backend):
-    """Resolve --backend on every rank alike: "cuda" only if every rank has a GPU."""
-    cupy = None
-    if backend in ("auto", "cuda"):
-        try:
-            from .device import import_cupy
-
-            cupy = import_cupy("burstmpi-bench")
-        except (NotImplementedError, RuntimeError) as e:
-            if backend == "cuda":
-                raise click.UsageError(str(e))
-    everyone = comm.allreduce(cupy is not None, op=MPI.LAND)
-    if backend == "cuda" and not everyone:
-        raise click.UsageError("--backend cuda: some rank has no usable GPU")
-    return Device("cuda", cupy) if everyone else Device("numpy")
-
-
-def _time(comm, fn, dev=None):
-    if dev is not None:
-        dev.sync()
-    comm.Barrier()
-    t0 = time.perf_counter()
-    result = fn()
-    if dev is not None:
-        dev.sync()
-    return time.perf_counter() - t0, result
 
 
 def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlens=None):
@@ -366,7 +207,7 @@ def _torch_times(comm, cfg, local, iters, gpu=False):
 
         # The other ranks sleep meanwhile: give torch every core this process may use
         # (under mpiexec torch otherwise starts with a single thread).
-        torch.set_num_threads(_cores())
+        torch.set_num_threads(cores())
 
         def t(x):
             a = x.view(np.int16) if cfg["dtype"] == "bfloat16" else x
@@ -390,26 +231,11 @@ def _torch_times(comm, cfg, local, iters, gpu=False):
 
         sync = torch.cuda.synchronize if gpu else (lambda: None)
         fwd(), fwdbwd()
-        tf = min(_wall(fwd, sync) for _ in range(iters))
-        tfb = min(_wall(fwdbwd, sync) for _ in range(iters))
+        tf = min(wall(fwd, sync) for _ in range(iters))
+        tfb = min(wall(fwdbwd, sync) for _ in range(iters))
         result = (tf, tfb)
-    _idle_barrier(comm)
+    idle_barrier(comm)
     return result
-
-
-def _idle_barrier(comm):
-    """A barrier that sleeps: MPI_Barrier busy-polls, and would steal cores from torch."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.005)
-
-
-def _wall(fn, sync=lambda: None):
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
 
 
 def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None):
@@ -438,7 +264,7 @@ def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None):
 def _local_kernel_s(plan, q, k, v, do, iters, dev):
     """Seconds of the backend's local forward and backward on one unmasked block of this
     rank's own q against its own k, v: the single-device work one ring step does."""
-    from .ring import _rows
+    from ..ring import _rows
 
     be, xp = plan.backend, plan.backend.xp
     B, C, Z, d = q.shape
@@ -472,7 +298,7 @@ def _inputs(cfg, C, seed, rank, dev):
     """Random local q, k, v, dout of C rows (host copies, and where the run keeps them)."""
     B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     rng = np.random.default_rng([seed, rank, N])
-    dt = _np_dtype(cfg["dtype"])
+    dt = np_dtype(cfg["dtype"])
     shapes = [(B, C, Z, d), (B, C, Zkv, d), (B, C, Zkv, d), (B, C, Z, d)]
     local = [rng.standard_normal(s, dtype=np.float32).astype(dt) for s in shapes]
     return local, [dev.put(x) for x in local]
@@ -484,8 +310,8 @@ def _iterations(comm, plan, arrays, iters, warmup, dev, cu_seqlens=None):
     q, k, v, do = arrays
     tf, tb = [], []
     for i in range(warmup + iters):
-        a, (out, lse) = _time(comm, lambda: plan.forward(q, k, v, cu_seqlens=cu_seqlens), dev)
-        b, grads = _time(comm, lambda: plan.backward(do, q, k, v, out, lse, cu_seqlens=cu_seqlens), dev)
+        a, (out, lse) = timed(comm, lambda: plan.forward(q, k, v, cu_seqlens=cu_seqlens), dev)
+        b, grads = timed(comm, lambda: plan.backward(do, q, k, v, out, lse, cu_seqlens=cu_seqlens), dev)
         if i >= warmup:
             tf.append(a)
             tb.append(b)
@@ -592,98 +418,15 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     return row
 
 
-def _progress(comm, done, total, row, secs, elapsed, work_done):
-    """One progress line on rank 0's stderr: rewritten in place on a terminal, a plain
-    line otherwise (batch logs stay readable). ``work_done`` is the fraction of the
-    sweep's FLOPs finished: lengths grow quadratically in cost, so the estimate of the
-    time left weighs configurations by their FLOPs, not by their count."""
-    if comm.Get_rank() != 0:
-        return
-    eta = elapsed / work_done * (1.0 - work_done) if work_done > 0 else float("nan")
-    text = (f"# [{done}/{total}] seqlen {row['seqlen']} {row['dtype']} causal {row['causal']} "
-            f"{row['layout']} {row['bwd_mode']}: {secs:.1f} s, elapsed {elapsed:.0f} s, eta {eta:.0f} s")
-    if sys.stderr.isatty():
-        sys.stderr.write("\r" + text + ("\n" if done == total else ""))
-    else:
-        sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
-def _format(columns, row):
-    cells = []
-    for key, _, _, width, fmt in columns:
-        value = row.get(key)
-        if isinstance(value, bool):
-            value = int(value)
-        cells.append(f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}")
-    return "  " + " ".join(cells)
-
-
-def _header(columns):
-    first = " ".join(f"{h:>{w}}" for _, h, _, w, _ in columns)
-    second = " ".join(f"{u:>{w}}" for _, _, u, w, _ in columns)
-    return ["#" + " " + first[1:], "#" + " " + second[1:]]
-
-
-@click.command(context_settings=dict(help_option_names=["-h", "--help"]))
-@click.option("-b", "--minseq", default="1K", callback=parse_size, show_default=True,
-              help="Smallest global sequence length (K/M suffixes).")
-@click.option("-e", "--maxseq", default="4K", callback=parse_size, show_default=True,
-              help="Largest global sequence length.")
-@click.option("-f", "--stepfactor", default=2, show_default=True, help="Multiply the length by this each step.")
-@click.option("-n", "--iters", default=3, show_default=True, help="Timed iterations per configuration.")
-@click.option("-w", "--warmup", default=1, show_default=True, help="Untimed iterations first.")
-@click.option("-c", "--check", default=1, show_default=True, type=click.IntRange(0, 1),
-              help="Check sampled rows against float64 (the #wrong column).")
-@click.option("-d", "--dtype", default="float32", show_default=True, type=click.Choice(DTYPES + ["all"]))
-@click.option("-a", "--average", "reduce", default=3, show_default=True, type=click.IntRange(0, 3),
-              help="Reduce times over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum.")
-@click.option("-J", "--json", "json_path", default=None, help="Also write the rows to this JSON file.")
-@click.option("-B", "--batch", default=1, show_default=True)
-@click.option("-H", "--heads", default=8, show_default=True, help="Query heads.")
-@click.option("-K", "--kv-heads", default=None, type=int, help="Key/value heads (default: --heads).")
-@click.option("-D", "--head-dim", default=128, show_default=True)
-@click.option("-m", "--mask", default="both", show_default=True, type=click.Choice(["none", "causal", "both"]))
-@click.option("-l", "--layout", default="zigzag", show_default=True, type=click.Choice(list(LAYOUTS) + ["all"]))
-@click.option("--window", default=None, callback=parse_window, help="Sliding window LEFT,RIGHT (-1 = unbounded).")
-@click.option("--docs", default=None, callback=lambda ctx, p, v: None if v is None else _docs(v),
-              help="Pack each sequence with documents: fixed:LEN, lognormal:MEAN (seeded) or file:PATH "
-                   "(one length per line); also times the padded-per-document way.")
-@click.option("--bwd", "bwd_comm", default="auto", show_default=True,
-              type=click.Choice(["auto", "burst", "ring", "two-way", "all"]),
-              help="Backward communication mode; all = burst, ring and two-way side by side.")
-@click.option("--torch/--no-torch", "use_torch", default=False, show_default=True,
-              help="Also time PyTorch scaled_dot_product_attention on the global problem (rank 0).")
-@click.option("--trace-memory", is_flag=True,
-              help="Trace NumPy allocations: exact peak array bytes per rank and phase.")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "numpy", "cuda"]),
-              help="Where the arrays live: auto = the GPU when every rank has one, else the host.")
-@click.option("--transport", default="auto", show_default=True, type=click.Choice(["auto", "nccl", "mpi"]),
-              help="GPU ring transport (see BurstAttention).")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
-              help="A published setup (explicit flags still win): ring-flash-attn = 32/8 heads, "
-                   "d 128, bf16, causal zigzag, 8K tokens per rank; burstengine = 40 heads, d 128, "
-                   "bf16, causal, 128K..1M tokens; varlen = packed lognormal:4096 documents, causal "
-                   "zigzag, 8 heads, d 128, 16K..32K tokens.")
-@click.option("--baseline", type=click.Path(dir_okay=False), default=None,
-              help="Regression mode: compare with this -J file; exit 3 if a configuration is slower "
-                   "than --tolerance allows.")
-@click.option("--tolerance", default=0.10, show_default=True, type=click.FloatRange(0),
-              help="Allowed slow-down in regression mode, as a fraction (0.1 = 10 %).")
-@click.option("--junit", "junit_path", default=None, help="Write JUnit XML (one test case per row).")
-@click.option("--progress/--no-progress", default=None,
-              help="Progress lines on stderr (rank 0); default: on for sweeps of several rows.")
-@click.pass_context
-def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, json_path, batch, heads,
-         kv_heads, head_dim, mask, layout, window, docs, bwd_comm, use_torch, trace_memory, seed, backend,
-         transport, preset, baseline, tolerance, junit_path, progress):
-    """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
-    comm = MPI.COMM_WORLD
+def main(comm, ctx, o):
+    """The attention mode of ``burstmpi-bench``: ``o`` holds the command line's options."""
     P = comm.Get_size()
-    if preset is not None:
+    minseq, maxseq, stepfactor = o["minseq"], o["maxseq"], o["stepfactor"]
+    heads, kv_heads, head_dim, dtype = o["heads"], o["kv_heads"], o["head_dim"], o["dtype"]
+    mask, layout, docs, window = o["mask"], o["layout"], o["docs"], o["window"]
+    if o["preset"] is not None:
         given = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
-        ps = dict(PRESETS[preset])
+        ps = dict(PRESETS[o["preset"]])
         per_rank = ps.pop("per_rank", None)
         if per_rank is not None:
             ps.update(minseq=per_rank * P, maxseq=per_rank * P)
@@ -696,7 +439,7 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise click.BadParameter(f"--kv-heads must divide --heads ({heads}), got {kv_heads}")
-    if use_torch:
+    if o["use_torch"]:
         if window is not None or docs is not None:
             raise click.UsageError("--torch compares dense or causal attention only; drop --window and --docs")
         try:
@@ -704,94 +447,41 @@ def main(ctx, minseq, maxseq, stepfactor, iters, warmup, check, dtype, reduce, j
         except ImportError:
             raise click.UsageError("--torch needs PyTorch (pip install torch)")
     causals = {"none": [False], "causal": [True], "both": [False, True]}[mask]
-    configs = [dict(seqlen=n, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+    configs = [dict(seqlen=n, batch=o["batch"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                     dtype=dt, causal=int(c), layout=lay, bwd_comm=bw)
-               for n in _seqlens(minseq, maxseq, stepfactor)
-               for dt in _choices(dtype, DTYPES)
+               for n in seqlens(minseq, maxseq, stepfactor)
+               for dt in choices(dtype, DTYPES)
                for c in causals
-               for lay in _choices(layout, LAYOUTS)
-               for bw in _choices(bwd_comm, ["burst", "ring", "two-way"])]  # "all": side by side
-    params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=iters, warmup=warmup,
-                  check=check, dtype=dtype, average=REDUCE[reduce][0], batch=batch, heads=heads,
+               for lay in choices(layout, LAYOUTS)
+               for bw in choices(o["bwd_comm"], ["burst", "ring", "two-way"])]  # "all": side by side
+    params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=o["iters"], warmup=o["warmup"],
+                  check=o["check"], dtype=dtype, average=REDUCE[o["reduce"]][0], batch=o["batch"], heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
-                  window=window, docs=docs, bwd=bwd_comm, torch=use_torch, trace_memory=trace_memory, seed=seed,
-                  preset=preset, baseline=baseline, tolerance=tolerance if baseline else None)
-    base_rows = None
-    if baseline is not None:
-        # Rank 0 reads it and every rank gets the rows (or the same error): the file need
-        # not be on a shared file system, and a missing one cannot leave ranks waiting.
-        loaded = None
-        if comm.Get_rank() == 0:
-            try:
-                loaded = regress.load_rows(baseline)
-            except (ValueError, OSError, json.JSONDecodeError) as e:
-                loaded = str(e)
-        loaded = comm.bcast(loaded, root=0)
-        if isinstance(loaded, str):
-            raise click.BadParameter(loaded, param_hint="--baseline")
-        base_rows = loaded
-    show_progress = (len(configs) > 1) if progress is None else progress
-    dev = _device(comm, backend)
-    if trace_memory and dev.backend == "cuda":
+                  window=window, docs=docs, bwd=o["bwd_comm"], torch=o["use_torch"],
+                  trace_memory=o["trace_memory"], seed=o["seed"], preset=o["preset"], baseline=o["baseline"],
+                  tolerance=o["tolerance"] if o["baseline"] else None)
+    dev = resolve_device(comm, o["backend"])
+    if o["trace_memory"] and dev.backend == "cuda":
         raise click.UsageError("--trace-memory traces NumPy allocations; use --backend numpy")
+    transport = o["transport"]
     params.update(backend=dev.backend, transport=transport if dev.backend == "cuda" else "mpi")
-    who = comm.gather((socket.gethostname(), os.getpid(), dev.describe()), root=0)
-    limiter, threads_line = _blas_threads(comm)  # noqa: F841 (kept alive for the run)
-    _say(comm, f"# burstmpi-bench {__version__}: backend {dev.backend}, {P} rank(s), "
-               f"{MPI.Get_library_version().splitlines()[0].strip()}",
-         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
-         threads_line, cpu_line(),
-         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
-           if who else []),
-         "#")
-    columns = (COLUMNS + (MEMORY_COLUMNS if trace_memory else []) + (PADDED_COLUMNS if docs else [])
-               + (TORCH_COLUMNS if use_torch else []))
-    _say(comm, *_header(columns))
-    rows, t_start = [], time.perf_counter()
+    columns = (COLUMNS + (MEMORY_COLUMNS if o["trace_memory"] else []) + (PADDED_COLUMNS if docs else [])
+               + (TORCH_COLUMNS if o["use_torch"] else []))
     work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window,
-                  None if docs is None else packing.pack(docs, c["seqlen"], seed))
+                  None if docs is None else packing.pack(docs, c["seqlen"], o["seed"]))
             for c in configs]
-    for i, cfg in enumerate(configs):
-        t0 = time.perf_counter()
-        row = run_config(comm, cfg, iters=iters, warmup=warmup, check=check, reduce=reduce,
-                         window=window, use_torch=use_torch, seed=seed, trace_memory=trace_memory,
-                         dev=dev, transport=transport, docs=docs)
-        rows.append(row)
-        _say(comm, _format(columns, row))
-        if show_progress:
-            _progress(comm, i + 1, len(configs), row, time.perf_counter() - t0, time.perf_counter() - t_start,
-                      sum(work[:i + 1]) / sum(work))
-    wrong = sum(max(r["wrong"], 0) for r in rows)
-    avg = float(np.mean([r["fwdbwd_tflops"] for r in rows]))
-    _say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
-               + ("" if check else " (not checked: -c 0)"),
-         f"# Avg TFLOP/s per rank (fwd+bwd) : {avg:.4f}",
-         f"# Avg bus bandwidth (GB/s) : {float(np.mean([r['busbw'] for r in rows])):.4f}",
-         f"# Max peak memory per rank (MB) : {max(r['peak_mb'] for r in rows):.0f}")
-    regressed = 0
-    verdicts = [dict(row=r, base=None, ratio=None, status="wrong" if r["wrong"] > 0 else "ok") for r in rows]
-    if base_rows is not None:
-        verdicts = regress.compare(rows, base_rows, tolerance, CONFIG_KEYS)
-        for v in verdicts:
-            r = v["row"]
-            if v["status"] == "regressed":
-                _say(comm, f"# REGRESSED {regress.describe(r, CONFIG_KEYS)}: f+b {r['fwdbwd_ms']:.1f} ms vs "
-                           f"baseline {v['base']['fwdbwd_ms']:.1f} ms ({100 * (v['ratio'] - 1):+.1f} %)")
-            elif v["status"] == "new":
-                _say(comm, f"# NEW (no baseline row) {regress.describe(r, CONFIG_KEYS)}")
-        regressed = sum(v["status"] == "regressed" for v in verdicts)
-        worst = max((v["ratio"] for v in verdicts if v["ratio"] is not None), default=float("nan"))
-        _say(comm, f"# Regressions against {baseline} (tolerance {100 * tolerance:.0f} %, slowest ratio "
-                   f"{worst:.2f}) : {regressed} {'OK' if regressed == 0 else 'FAILED'}")
-    if comm.Get_rank() == 0:
-        if json_path:
-            with open(json_path, "w") as fh:
-                json.dump({"version": __version__, "ranks": P, "params": params, "rows": rows}, fh, indent=1)
-        if junit_path:
-            with open(junit_path, "w") as fh:
-                fh.write(regress.junit_xml(verdicts, CONFIG_KEYS))
-    sys.exit(1 if wrong else 3 if regressed else 0)
 
+    def run_one(cfg):
+        return run_config(comm, cfg, iters=o["iters"], warmup=o["warmup"], check=o["check"],
+                          reduce=o["reduce"], window=window, use_torch=o["use_torch"], seed=o["seed"],
+                          trace_memory=o["trace_memory"], dev=dev, transport=transport, docs=docs)
 
-if __name__ == "__main__":  # pragma: no cover
-    main()
+    def footer(rows):
+        return [f"# Avg TFLOP/s per rank (fwd+bwd) : {float(np.mean([r['fwdbwd_tflops'] for r in rows])):.4f}",
+                f"# Avg bus bandwidth (GB/s) : {float(np.mean([r['busbw'] for r in rows])):.4f}"]
+
+    show = (len(configs) > 1) if o["progress"] is None else o["progress"]
+    sweep(comm, mode="attention", params=params, dev=dev, columns=columns, configs=configs, run_one=run_one,
+          work=work, footer=footer, config_keys=CONFIG_KEYS, metric="fwdbwd_ms", check=o["check"],
+          show_progress=show, json_path=o["json_path"], junit_path=o["junit_path"], baseline=o["baseline"],
+          tolerance=o["tolerance"])

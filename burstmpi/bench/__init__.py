@@ -1,0 +1,88 @@
+"""burstmpi-bench: time and check distributed attention, the way nccl-tests does for NCCL.
+
+    mpiexec -n 4 burstmpi-bench                      # the ring: forward and backward, 1K..4K tokens
+    mpiexec -n 4 burstmpi-bench -b 4K -e 32K -f 2 -d all -J out.json
+    mpiexec -n 4 burstmpi-bench --decode -b 16K -e 256K -f 4    # decode over a sharded KV cache
+
+One command, two modes, each in its own module with its columns documented there:
+``burstmpi.bench.attention`` (the default) and ``burstmpi.bench.decode`` (``--decode``).
+Both print the same way (``burstmpi.bench.common``: preamble, one row per configuration,
+footer, ``-J`` JSON rows, ``--baseline`` regression mode, ``--junit``) and exit non-zero
+when a value is wrong (1) or a configuration regressed (3).
+"""
+
+import click
+from mpi4py import MPI
+
+from . import attention, decode as decode_mode
+from ..layout import LAYOUTS
+from .attention import COLUMNS, CONFIG_KEYS, PRESETS, flops, run_config, _docs
+from .common import DTYPES, cpu_line, parse_size, parse_window
+
+__all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
+
+@click.command(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.option("-b", "--minseq", default="1K", callback=parse_size, show_default=True,
+              help="Smallest global sequence length (K/M suffixes); --decode: cached tokens.")
+@click.option("-e", "--maxseq", default="4K", callback=parse_size, show_default=True,
+              help="Largest global sequence length.")
+@click.option("-f", "--stepfactor", default=2, show_default=True, help="Multiply the length by this each step.")
+@click.option("-n", "--iters", default=3, show_default=True, help="Timed iterations per configuration.")
+@click.option("-w", "--warmup", default=1, show_default=True, help="Untimed iterations first.")
+@click.option("-c", "--check", default=1, show_default=True, type=click.IntRange(0, 1),
+              help="Check sampled rows against float64 (the #wrong column).")
+@click.option("-d", "--dtype", default="float32", show_default=True, type=click.Choice(DTYPES + ["all"]))
+@click.option("-a", "--average", "reduce", default=3, show_default=True, type=click.IntRange(0, 3),
+              help="Reduce times over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum.")
+@click.option("-J", "--json", "json_path", default=None, help="Also write the rows to this JSON file.")
+@click.option("-B", "--batch", default=1, show_default=True)
+@click.option("-H", "--heads", default=8, show_default=True, help="Query heads.")
+@click.option("-K", "--kv-heads", default=None, type=int, help="Key/value heads (default: --heads).")
+@click.option("-D", "--head-dim", default=128, show_default=True)
+@click.option("-m", "--mask", default="both", show_default=True, type=click.Choice(["none", "causal", "both"]))
+@click.option("-l", "--layout", default="zigzag", show_default=True, type=click.Choice(list(LAYOUTS) + ["all"]))
+@click.option("--window", default=None, callback=parse_window, help="Sliding window LEFT,RIGHT (-1 = unbounded).")
+@click.option("--docs", default=None, callback=lambda ctx, p, v: None if v is None else _docs(v),
+              help="Pack each sequence with documents: fixed:LEN, lognormal:MEAN (seeded) or file:PATH "
+                   "(one length per line); also times the padded-per-document way.")
+@click.option("--bwd", "bwd_comm", default="auto", show_default=True,
+              type=click.Choice(["auto", "burst", "ring", "two-way", "all"]),
+              help="Backward communication mode; all = burst, ring and two-way side by side.")
+@click.option("--torch/--no-torch", "use_torch", default=False, show_default=True,
+              help="Also time PyTorch scaled_dot_product_attention on the global problem (rank 0).")
+@click.option("--trace-memory", is_flag=True,
+              help="Trace NumPy allocations: exact peak array bytes per rank and phase.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "numpy", "cuda"]),
+              help="Where the arrays live: auto = the GPU when every rank has one, else the host.")
+@click.option("--transport", default="auto", show_default=True, type=click.Choice(["auto", "nccl", "mpi"]),
+              help="GPU ring transport (see BurstAttention).")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
+              help="A published setup (explicit flags still win): ring-flash-attn = 32/8 heads, "
+                   "d 128, bf16, causal zigzag, 8K tokens per rank; burstengine = 40 heads, d 128, "
+                   "bf16, causal, 128K..1M tokens; varlen = packed lognormal:4096 documents, causal "
+                   "zigzag, 8 heads, d 128, 16K..32K tokens.")
+@click.option("--baseline", type=click.Path(dir_okay=False), default=None,
+              help="Regression mode: compare with this -J file; exit 3 if a configuration is slower "
+                   "than --tolerance allows.")
+@click.option("--tolerance", default=0.10, show_default=True, type=click.FloatRange(0),
+              help="Allowed slow-down in regression mode, as a fraction (0.1 = 10 %).")
+@click.option("--junit", "junit_path", default=None, help="Write JUnit XML (one test case per row).")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress lines on stderr (rank 0); default: on for sweeps of several rows.")
+@click.option("--decode", is_flag=True,
+              help="Decode mode: -b/-e/-f sweep the cached length of a KVCache, -T new tokens per call; "
+                   "compared with the ring way and one rank (burstmpi/bench/decode.py).")
+@click.option("-T", "--tokens", default=1, show_default=True, type=click.IntRange(1),
+              help="Decode mode: new tokens per decode call.")
+@click.pass_context
+def main(ctx, **opts):
+    """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
+    comm = MPI.COMM_WORLD
+    if opts.pop("decode"):
+        decode_mode.main(comm, ctx, opts)
+    else:
+        if ctx.get_parameter_source("tokens") == click.core.ParameterSource.COMMANDLINE:
+            raise click.UsageError("-T/--tokens is a --decode option")
+        opts.pop("tokens")
+        attention.main(comm, ctx, opts)

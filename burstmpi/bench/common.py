@@ -1,0 +1,329 @@
+"""What every mode of burstmpi-bench shares: sizes, devices, timing, the table, the footer,
+JSON, JUnit and regression mode.
+
+A mode (``burstmpi.bench.attention``: the ring's forward and backward; ``burstmpi.bench.
+decode``: decode over a sharded KV cache) supplies its columns, its configurations and a
+function that runs one of them and returns its row; ``sweep`` does the rest the same way for
+every mode: the preamble (versions, parameters, threads, the CPU and its vector flags, each
+rank's host and device), one line per row, the footer, the JSON rows (``-J``), JUnit XML
+(``--junit``) and the comparison with a baseline (``--baseline``), and the exit status: 1 if
+any value was wrong, 3 if a configuration regressed, else 0.
+"""
+
+import json
+import os
+import resource
+import socket
+import sys
+import time
+
+import click
+import numpy as np
+from mpi4py import MPI
+
+from .. import __version__, regress
+from ..interop import bfloat16
+
+__all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
+           "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "idle_barrier", "wall",
+           "load_baseline", "sweep"]
+
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+
+
+# |ours - float64| > atol + rtol |float64| counts as wrong (a regression check, not a
+# precision study: the test suite holds the tight flash-attn style bounds).
+TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-4, 1e-4),
+             "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2)}
+
+
+REDUCE = {0: ("rank 0", lambda v: v[0]), 1: ("average", np.mean), 2: ("minimum", np.min),
+          3: ("maximum", np.max)}
+
+
+def parse_size(ctx, param, value):
+    """'4K' -> 4096, '1M' -> 1048576, '1000' -> 1000."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    try:
+        n = int(text[:-1] if mult > 1 else text) * mult
+    except ValueError:
+        raise click.BadParameter(f"expected a length like 4096, 4K or 1M, got {value!r}")
+    if n < 1:
+        raise click.BadParameter(f"expected a positive length, got {value!r}")
+    return n
+
+
+def parse_window(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        left, right = (int(x) for x in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected LEFT,RIGHT (e.g. 256,0), got {value!r}")
+    return (left, right)
+
+
+def choices(value, allowed):
+    return list(allowed) if value == "all" else [value]
+
+
+def cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def blas_threads(comm):
+    """Cap BLAS threads so the ranks on one node do not oversubscribe its cores.
+
+    OpenBLAS starts one thread per core in every rank; four ranks on four cores would
+    then run sixteen threads and go several times slower. Returns a threadpoolctl
+    limiter (keep it alive for the run) and a line for the preamble.
+    """
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_here = local.Get_size()
+    local.Free()
+    ncores = cores()
+    share = max(1, ncores // ranks_here)
+    now = max([p.get("num_threads", 1) for p in threadpool_info() if p.get("user_api") == "blas"],
+              default=1)
+    limiter = threadpool_limits(limits=share, user_api="blas") if now > share else None
+    return limiter, (f"#  BLAS threads per rank: {min(now, share)} ({ncores} cores, "
+                     f"{ranks_here} ranks on rank 0's node); torch, when asked for, gets {ncores}")
+
+
+def say(comm, *lines):
+    if comm.Get_rank() == 0:
+        for line in lines:
+            click.echo(line)
+        sys.stdout.flush()
+
+
+def seqlens(minseq, maxseq, factor):
+    out, n = [], minseq
+    while n <= maxseq:
+        out.append(n)
+        if factor <= 1:
+            break
+        n *= factor
+    return out
+
+
+def np_dtype(name):
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def cpu_line():
+    """The CPU's model and vector extensions: NumPy's exp and every CPU figure depend on them."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ["avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
+    have = [f for f in wanted if f in flags]
+    return (f"#  CPU: {model}, {os.cpu_count()} cores visible; vector flags: {' '.join(have) or 'none found'}"
+            + ("" if "avx512f" in flags else " (no AVX-512)"))
+
+
+def peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
+
+
+class Device:
+    """Where the bench's arrays live: the host (NumPy) or this rank's GPU (CuPy)."""
+
+    def __init__(self, backend, cupy=None):
+        self.backend, self.cupy = backend, cupy
+        self.xp = cupy if cupy is not None else np
+
+    def put(self, x):
+        return x if self.cupy is None else self.cupy.asarray(x)
+
+    @staticmethod
+    def host(x):
+        get = getattr(x, "get", None)
+        return np.asarray(get() if get is not None else x)
+
+    def sync(self):
+        if self.cupy is not None:
+            self.cupy.cuda.get_current_stream().synchronize()
+
+    def peak_mb(self):
+        """Host: the process's maximum resident set. GPU: bytes CuPy's pool holds."""
+        if self.cupy is None:
+            return peak_mb()
+        return self.cupy.get_default_memory_pool().total_bytes() / 1e6
+
+    def describe(self):
+        if self.cupy is None:
+            return "cpu (numpy)"
+        dev = self.cupy.cuda.Device()
+        name = self.cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+        return f"cuda:{dev.id} {name}"
+
+
+def resolve_device(comm, backend):
+    """Resolve --backend on every rank alike: "cuda" only if every rank has a GPU."""
+    cupy = None
+    if backend in ("auto", "cuda"):
+        try:
+            from ..device import import_cupy
+
+            cupy = import_cupy("burstmpi-bench")
+        except (NotImplementedError, RuntimeError) as e:
+            if backend == "cuda":
+                raise click.UsageError(str(e))
+    everyone = comm.allreduce(cupy is not None, op=MPI.LAND)
+    if backend == "cuda" and not everyone:
+        raise click.UsageError("--backend cuda: some rank has no usable GPU")
+    return Device("cuda", cupy) if everyone else Device("numpy")
+
+
+def timed(comm, fn, dev=None):
+    if dev is not None:
+        dev.sync()
+    comm.Barrier()
+    t0 = time.perf_counter()
+    result = fn()
+    if dev is not None:
+        dev.sync()
+    return time.perf_counter() - t0, result
+
+
+def idle_barrier(comm):
+    """A barrier that sleeps: MPI_Barrier busy-polls, and would steal cores from torch."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+
+
+def wall(fn, sync=lambda: None):
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def progress(comm, done, total, row, secs, elapsed, work_done):
+    """One progress line on rank 0's stderr: rewritten in place on a terminal, a plain
+    line otherwise (batch logs stay readable). ``work_done`` is the fraction of the
+    sweep's work finished (FLOPs: lengths grow quadratically in cost), so the estimate of
+    the time left weighs configurations by their work, not by their count."""
+    if comm.Get_rank() != 0:
+        return
+    eta = elapsed / work_done * (1.0 - work_done) if work_done > 0 else float("nan")
+    what = " ".join(f"{k} {row[k]}" for k in ("seqlen", "tokens", "dtype", "causal", "layout", "bwd_mode")
+                    if k in row)
+    text = f"# [{done}/{total}] {what}: {secs:.1f} s, elapsed {elapsed:.0f} s, eta {eta:.0f} s"
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + text + ("\n" if done == total else ""))
+    else:
+        sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def format_row(columns, row):
+    cells = []
+    for key, _, _, width, fmt in columns:
+        value = row.get(key)
+        if isinstance(value, bool):
+            value = int(value)
+        cells.append(f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}")
+    return "  " + " ".join(cells)
+
+
+def header_lines(columns):
+    first = " ".join(f"{h:>{w}}" for _, h, _, w, _ in columns)
+    second = " ".join(f"{u:>{w}}" for _, _, u, w, _ in columns)
+    return ["#" + " " + first[1:], "#" + " " + second[1:]]
+
+
+def load_baseline(comm, baseline):
+    """The rows of a ``--baseline`` file on every rank, or the same error everywhere.
+
+    Rank 0 reads it and every rank gets the rows: the file need not be on a shared file
+    system, and a missing one cannot leave ranks waiting."""
+    if baseline is None:
+        return None
+    loaded = None
+    if comm.Get_rank() == 0:
+        try:
+            loaded = regress.load_rows(baseline)
+        except (ValueError, OSError, json.JSONDecodeError) as e:
+            loaded = str(e)
+    loaded = comm.bcast(loaded, root=0)
+    if isinstance(loaded, str):
+        raise click.BadParameter(loaded, param_hint="--baseline")
+    return loaded
+
+
+def sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, config_keys, metric,
+          check, show_progress, json_path=None, junit_path=None, baseline=None, tolerance=0.1):
+    """Run ``run_one(cfg)`` for every configuration and print the table, nccl-tests style;
+    then the footer, regression verdicts, JSON and JUnit; exit with the bench's status.
+
+    ``work``: each configuration's relative cost (for the progress line's time left);
+    ``footer(rows)``: the mode's summary lines; ``metric``: the row key (milliseconds) that
+    regression mode compares; ``config_keys``: the keys that match rows with a baseline's.
+    """
+    P = comm.Get_size()
+    base_rows = load_baseline(comm, baseline)
+    who = comm.gather((socket.gethostname(), os.getpid(), dev.describe()), root=0)
+    limiter, threads_line = blas_threads(comm)  # noqa: F841 (kept alive for the run)
+    say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {dev.backend}, {P} rank(s), "
+              f"{MPI.Get_library_version().splitlines()[0].strip()}",
+        "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
+        threads_line, cpu_line(),
+        *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
+          if who else []),
+        "#")
+    say(comm, *header_lines(columns))
+    rows, t_start = [], time.perf_counter()
+    for i, cfg in enumerate(configs):
+        t0 = time.perf_counter()
+        row = run_one(cfg)
+        rows.append(row)
+        say(comm, format_row(columns, row))
+        if show_progress:
+            progress(comm, i + 1, len(configs), row, time.perf_counter() - t0, time.perf_counter() - t_start,
+                     sum(work[:i + 1]) / sum(work))
+    wrong = sum(max(r["wrong"], 0) for r in rows)
+    say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+              + ("" if check else " (not checked: -c 0)"),
+        *footer(rows),
+        f"# Max peak memory per rank (MB) : {max(r['peak_mb'] for r in rows):.0f}")
+    regressed = 0
+    verdicts = [dict(row=r, base=None, ratio=None, status="wrong" if r["wrong"] > 0 else "ok") for r in rows]
+    if base_rows is not None:
+        verdicts = regress.compare(rows, base_rows, tolerance, config_keys, metric)
+        for v in verdicts:
+            r = v["row"]
+            if v["status"] == "regressed":
+                say(comm, f"# REGRESSED {regress.describe(r, config_keys)}: {metric} {r[metric]:.3f} vs "
+                          f"baseline {v['base'][metric]:.3f} ({100 * (v['ratio'] - 1):+.1f} %)")
+            elif v["status"] == "new":
+                say(comm, f"# NEW (no baseline row) {regress.describe(r, config_keys)}")
+        regressed = sum(v["status"] == "regressed" for v in verdicts)
+        worst = max((v["ratio"] for v in verdicts if v["ratio"] is not None), default=float("nan"))
+        say(comm, f"# Regressions against {baseline} (tolerance {100 * tolerance:.0f} %, slowest ratio "
+                  f"{worst:.2f}) : {regressed} {'OK' if regressed == 0 else 'FAILED'}")
+    if comm.Get_rank() == 0:
+        if json_path:
+            with open(json_path, "w") as fh:
+                json.dump({"version": __version__, "mode": mode, "ranks": P, "params": params, "rows": rows},
+                          fh, indent=1)
+        if junit_path:
+            with open(junit_path, "w") as fh:
+                fh.write(regress.junit_xml(verdicts, config_keys, metric=metric))
+    sys.exit(1 if wrong else 3 if regressed else 0)
