@@ -217,3 +217,65 @@ def test_baselines_from_before_docs_still_match(tmp_path):
         old = [{k: v for k, v in r.items() if k != "docs_spec"} for r in rows]
         verdicts = regress.compare(rows, old, 10.0, CONFIG_KEYS)
         assert [v["status"] for v in verdicts] == ["ok"] * len(rows)
+
+
+DECODE = ["--decode", "-b", f"{40 * NRANKS + 1}", "-e", f"{160 * NRANKS + 4}", "-f", "4", "-H", "4", "-K", "2",
+          "-D", "16", "-n", "2", "-w", "1", "--no-progress"]
+
+
+def test_decode_mode_table_json_and_bytes_independent_of_the_length(tmp_path):
+    path = _shared(tmp_path) / "decode.json"
+    res = CliRunner().invoke(main, DECODE + ["-T", "2", "-d", "all", "-J", str(path)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    if RANK == 0:
+        assert "# Out of bounds values : 0 OK" in res.output and "(decode)" in res.output
+        data = json.loads(path.read_text())
+        rows = data["rows"]
+        assert data["mode"] == "decode" and len(rows) == 2 * 4  # lengths x dtypes
+        from burstmpi.bench.decode import COLUMNS as DECODE_COLUMNS
+
+        assert {key for key, *_ in DECODE_COLUMNS} <= set(rows[0])
+        for r in rows:
+            assert r["wrong"] == 0 and r["tokens"] == 2 and r["decode_ms"] > 0 and r["ring_ms"] > 0
+            assert r["decode_ms_min"] <= r["decode_ms"] <= r["decode_ms_max"] + 1e-9
+            assert r["one_rank_ms"] is not None and r["vs_one_rank"] > 0
+        # Bytes per call: the same at both lengths; the ring's grow with the cache.
+        by_dtype = {}
+        for r in rows:
+            by_dtype.setdefault(r["dtype"], []).append(r)
+        for short, long in by_dtype.values():
+            assert short["kb_per_call"] == long["kb_per_call"]
+            assert (short["kb_per_call"] > 0) == (NRANKS > 1)
+            if NRANKS > 1:
+                assert long["ring_mb_per_call"] > 2 * short["ring_mb_per_call"]
+
+
+def test_decode_mode_regression_and_bad_flags(tmp_path):
+    tmp_path = _shared(tmp_path)
+    base = tmp_path / "base.json"
+    res = CliRunner().invoke(main, DECODE + ["-e", f"{40 * NRANKS + 1}", "-J", str(base)])
+    assert res.exit_code == 0, res.output
+    fast = tmp_path / "fast.json"
+    if RANK == 0:
+        data = json.loads(base.read_text())
+        for r in data["rows"]:
+            r["decode_ms"] *= 0.01
+        fast.write_text(json.dumps(data))
+    from conftest import COMM
+    COMM.Barrier()
+    res = CliRunner().invoke(main, DECODE + ["-e", f"{40 * NRANKS + 1}", "--baseline", str(fast),
+                                             "--tolerance", "0.05"])
+    assert res.exit_code == 3, res.output
+    if RANK == 0:
+        assert "# REGRESSED mode=decode" in res.output and "decode_ms" in res.output
+    res = CliRunner().invoke(main, DECODE + ["-m", "causal"])
+    assert res.exit_code == 2 and "--decode does not take mask" in res.output
+    res = CliRunner().invoke(main, SMALL + ["-T", "2"])
+    assert res.exit_code == 2 and "-T/--tokens is a --decode option" in res.output
+
+
+def test_decode_mode_window():
+    res = CliRunner().invoke(main, DECODE + ["--window", "50,0", "-T", "3"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    if RANK == 0:
+        assert "# Out of bounds values : 0 OK" in res.output
