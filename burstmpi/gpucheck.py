@@ -8,11 +8,16 @@
 2. kernels one rank, ``BurstAttention(backend="cuda")`` on CuPy arrays against float64
            (flash-attn's rule) and against the NumPy backend: forward and backward, three
            dtypes, head dims 64 and 128, no mask / causal / sliding window, GQA.
-3. interop torch CUDA tensors in, torch CUDA tensors out, zero-copy (if torch has CUDA).
-4. ranks   ``mpiexec -n 2, 3, 4`` on this one GPU through the MPI transport (NCCL refuses
-           two ranks on one GPU), every rank checked against float64.
-5. bench   forward and backward TFLOP/s at 16384 tokens, head dim 128, bfloat16, next to
-           PyTorch's ``scaled_dot_product_attention`` on the same GPU.
+3. decode  ``KVCache(backend="cuda")``: prefill, then decode steps (the split-KV kernel and
+           the combine of cuda/attn_decode.cu) against float64 and the NumPy backend, three
+           dtypes, T = 1 and 4, GQA and MQA, a window; under ``ranks`` also at 2-4 ranks.
+4. interop torch CUDA tensors in, torch CUDA tensors out, zero-copy (if torch has CUDA).
+5. ranks   ``mpiexec -n 2, 3, 4`` on this one GPU through the MPI transport (NCCL refuses
+           two ranks on one GPU), every rank checked against float64: the ring, and decode
+           over a cache sharded across the ranks (bitwise the same result on every rank).
+6. bench   forward and backward TFLOP/s at 16384 tokens, head dim 128, bfloat16, next to
+           PyTorch's ``scaled_dot_product_attention`` on the same GPU; one decode call over a
+           cache of 256K tokens (bfloat16, 32/8 heads, head dim 128) and the rate it reads K/V.
 
 Prints one line per check, ``# ... OK`` or ``# ... FAILED`` at the end, exit status 1 on
 any failure. On a machine with two or more GPUs, ``mpiexec -n 2 burstmpi-gpucheck
@@ -33,6 +38,7 @@ from . import kernels
 from . import reference as ref
 from .device import import_cupy
 from .interop import bfloat16
+from .cache import KVCache
 from .plan import BurstAttention
 
 __all__ = ["main"]
@@ -124,6 +130,36 @@ def check_one_rank(cupy, rep, quick):
                                  f"vs NumPy (out lse dq dk dv) {' '.join(errs)}  [{secs:.2f} s incl. compile]")
 
 
+def _decode_run(cache, q, k, v, N0, T, put):
+    """Prefill N0 tokens into ``cache``, then decode the rest T at a time: every output."""
+    outs = [cache.prefill(put(q[:, :N0]), put(k[:, :N0]), put(v[:, :N0]))] if N0 else []
+    for s in range(N0, q.shape[1], T):
+        outs.append(cache.decode(*(put(x[:, s:s + T]) for x in (q, k, v))))
+    return np.concatenate([_f64(o) for o in outs], axis=1)
+
+
+def check_decode(cupy, rep, quick):
+    """KVCache on the GPU against float64 (flash-attn's rule) and the NumPy backend."""
+    cases = [(1, None, 2), (4, None, 8), (1, (300, 0), 1)][:2 if quick else 3]
+    for dtype in DTYPES:
+        for T, window, Zkv in cases:
+            N0, steps = 1000, 12
+            q, k, v, _ = _problem(1, N0 + steps * T, 8, Zkv, 128, dtype, seed=T)
+            opts = dict(capacity=N0 + steps * T, batch=1, kv_heads=Zkv, head_dim=128,
+                        dtype=_np_dtype(dtype), window=window)
+            t0 = time.perf_counter()
+            ours = _decode_run(KVCache(MPI.COMM_SELF, backend="cuda", **opts), q, k, v, N0, T, cupy.asarray)
+            secs = time.perf_counter() - t0
+            host = _decode_run(KVCache(MPI.COMM_SELF, backend="numpy", **opts), q, k, v, N0, T, lambda x: x)
+            exact, _ = ref.forward(q, k, v, causal=True, window=window)
+            plain, _ = ref.forward(q, k, v, causal=True, window=window, precision="plain")
+            ok, err = _within(ours[:, N0:], exact[:, N0:], plain[:, N0:], dtype)
+            ok_p, err_p = _within(ours[:, :N0], exact[:, :N0], plain[:, :N0], dtype)
+            diff = float(np.abs(ours[:, N0:] - host[:, N0:]).max())
+            rep.line(ok and ok_p, f"decode  {dtype:8s} T={T} kvh {Zkv} window={window}: {steps} steps err vs "
+                                  f"float64 {err:.1e} (prefill {err_p:.1e}), vs NumPy {diff:.1e}  [{secs:.2f} s]")
+
+
 def check_interop(rep):
     try:
         import torch
@@ -187,6 +223,24 @@ def ranks_worker(transport, seqlen_local):
                     print(f"  P={P} {layout:10s} causal={causal!s:5s} transport={st.transport} "
                           f"fwd {st.forward.wall_s * 1e3:.1f} ms, bwd {st.backward.wall_s * 1e3:.1f} ms",
                           flush=True)
+    for dtype in ("bfloat16", "float32"):  # decode over a cache sharded across the ranks
+        N0, T, steps = P * seqlen_local - 3, 3, 5
+        q, k, v, _ = _problem(1, N0 + T * steps, 8, 2, 128, dtype, seed=P)
+        cache = KVCache(capacity=N0 + T * steps, batch=1, kv_heads=2, head_dim=128, dtype=_np_dtype(dtype),
+                        backend="cuda")
+        outs = [unshard(cupy.asnumpy(cache.prefill(*(cupy.asarray(shard(x[:, :N0])) for x in (q, k, v)))))]
+        for s in range(N0, q.shape[1], T):
+            outs.append(cupy.asnumpy(cache.decode(*(cupy.asarray(x[:, s:s + T]) for x in (q, k, v)))))
+        ours = np.concatenate([_f64(o) for o in outs], axis=1)
+        exact, _ = ref.forward(q, k, v, causal=True)
+        plain, _ = ref.forward(q, k, v, causal=True, precision="plain")
+        ok, err = _within(ours, exact, plain, dtype)
+        same = comm.allgather(hash(ours.tobytes()))
+        if not ok or len(set(same)) != 1:
+            bad.append(f"r{rank} decode {dtype} N0={N0} T={T}: err {err:.2e}, same on every rank: {len(set(same)) == 1}")
+        if rank == 0:
+            print(f"  P={P} decode {dtype} prefill {N0} + {steps} x {T} tokens: err {err:.1e}, "
+                  f"{cache.last_stats.message_bytes} B per rank per call", flush=True)
     everyone = comm.gather(bad, root=0)
     if rank == 0:
         flat = [b for r in everyone for b in r]
@@ -280,6 +334,19 @@ def bench(cupy, rep, N=16384, H=16, d=128):
             line += (f" | torch SDPA fwd {flops / s_fwd / 1e12:6.1f} TF/s, bwd {2.5 * flops / s_bwd / 1e12:6.1f} TF/s"
                      f" | ratio fwd {s_fwd / t_fwd:.2f}, bwd {s_bwd / t_bwd:.2f}")
         print(line, flush=True)
+    N, Zkv = 256 * 1024, 8
+    cache = KVCache(MPI.COMM_SELF, capacity=N + 64, batch=1, kv_heads=Zkv, head_dim=d, dtype=bfloat16,
+                    backend="cuda")
+    rng = np.random.default_rng(0)
+    cache.load(*(cupy.asarray(rng.standard_normal((1, N, Zkv, d), dtype=np.float32).astype(bfloat16))
+                 for _ in range(2)))
+    new = [[cupy.asarray(rng.standard_normal((1, 1, h, d), dtype=np.float32).astype(bfloat16))
+            for h in (32, Zkv, Zkv)] for _ in range(40)]
+    calls = iter(new)
+    t = _time(cupy, lambda: cache.decode(*next(calls)), iters=30, warmup=5)
+    kv_bytes = 2 * N * Zkv * d * 2
+    print(f"  decode: cache {N} tokens, 32/{Zkv} heads, d {d}, bf16, T=1: {t * 1e3:.3f} ms per call, "
+          f"K/V read at {kv_bytes / t / 1e9:.0f} GB/s", flush=True)
     rep.line(True, "bench done")
 
 
@@ -290,7 +357,7 @@ def bench(cupy, rep, N=16384, H=16, d=128):
               help="Transport of the multi-rank check.")
 @click.option("--seqlen-local", default=384, show_default=True, help="Tokens per rank in the multi-rank check.")
 def main(quick, ranks_only, transport, seqlen_local):
-    """Check burstmpi's GPU path on this machine: probe, kernels, interop, ranks, bench."""
+    """Check burstmpi's GPU path on this machine: probe, kernels, decode, interop, ranks, bench."""
     if ranks_only:
         sys.exit(ranks_worker(transport, seqlen_local))
     try:
@@ -306,6 +373,7 @@ def main(quick, ranks_only, transport, seqlen_local):
     rep, t0 = Report(), time.perf_counter()
     steps = [("probe", lambda: check_probe(cupy, dev.id, rep)),
              ("kernels", lambda: check_one_rank(cupy, rep, quick)),
+             ("decode", lambda: check_decode(cupy, rep, quick)),
              ("interop", lambda: check_interop(rep)),
              ("ranks", lambda: check_ranks(rep, transport, quick))]
     if not quick:
