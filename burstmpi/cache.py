@@ -203,7 +203,11 @@ class KVCache:
         if self._k is not None:
             return
         be = self.runtime.backend
-        be.acc_dtype(self.dtype)  # raises where the backend lacks the dtype (float64 on GPUs)
+        try:
+            be.acc_dtype(self.dtype)  # raises where the backend lacks the dtype (float64 on GPUs)
+        except ValueError as e:
+            raise ValueError(f"{fn}: dtype: a cache of {self.dtype} cannot live on backend "
+                             f"{be.name!r} ({e}); float64 caches run on backend='numpy'") from None
         xp = be.xp
         B, Zkv, S = self.batch, self.kv_heads, self.slots
         self._k = xp.zeros((B, Zkv, S, self.head_dim), self.dtype)
@@ -423,7 +427,10 @@ class KVCache:
         if self._message is not None and self._message[0] == key:
             return self._message[1]
         be, P = self.runtime.backend, self.runtime.nranks
-        acc = be.acc_dtype(self.dtype)
+        try:
+            acc = be.acc_dtype(self.dtype)
+        except ValueError:  # the call fails and says so collectively; the sizes must still agree
+            acc = np.dtype(np.float32)
         R = self.batch * T * (Z or 0)
         fields = [("hdr", (4,), np.int64), ("lse", (R,), acc), ("out", (R, self.v_head_dim), acc)]
         size = nbytes(fields)

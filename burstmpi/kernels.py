@@ -21,7 +21,8 @@ from typing import NamedTuple
 __all__ = ["HEAD_DIMS", "DTYPES", "ARCHS", "Strided", "Grouped", "Launch", "program", "module",
            "probe_module",
            "kernel_names", "config", "fwd", "fwd_finalize", "bwd_preprocess", "bwd_dq",
-           "bwd_dkdv", "compile_report"]
+           "bwd_dkdv", "Stacked", "decode_tile", "decode_splits", "decode", "decode_combine",
+           "compile_report"]
 
 # (QK head dim, V head dim) pairs with kernels; each is compiled and checked in CI.
 # Adding one: append it here, run `python -m burstmpi.kernelcheck` (no spills allowed) and the
@@ -31,7 +32,7 @@ DTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
 ARCHS = ("sm_80", "sm_90")
 # Largest dynamic shared memory per block (opt-in), bytes: A100 and H100/H200.
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
-ENTRY_FILES = ("attn_fwd.cu", "attn_bwd.cu", "probe.cu")
+ENTRY_FILES = ("attn_fwd.cu", "attn_bwd.cu", "attn_decode.cu", "probe.cu")
 PROBE_NAMES = tuple(f"gemm_probe<{t}>" for t in DTYPES.values())
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -147,12 +148,15 @@ def _tiled_name(kind, dtype, d, dv, cfg, part=0):
 
 
 def kernel_names(dtype, d, dv, smem_limit=SMEM_LIMIT["sm_80"]):
-    """Name expressions of the kernels of one (dtype, head dims)."""
+    """Name expressions of the kernels of one (dtype, head dims): the ring's, the decode
+    kernel, and the combine kernel of V head dim ``dv`` for every output dtype (so that
+    any module with that V head dim can merge partials into any dtype, fp32 included)."""
     cfg = functools.partial(config, dtype=dtype, d=d, dv=dv, smem_limit=smem_limit)
     tiled = [_tiled_name("fwd", dtype, d, dv, cfg("fwd")), _tiled_name("dq", dtype, d, dv, cfg("dq"))]
     tiled += [_tiled_name("dkdv", dtype, d, dv, cfg("dkdv"), part) for part in dkdv_parts(d, dv)]
     return tuple(tiled + [f"burst_fwd_finalize<{DTYPES[dtype]}, {dv}>",
-                          f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>"])
+                          f"burst_bwd_preprocess<{DTYPES[dtype]}, {dv}>",
+                          _decode_name(dtype, d, dv)] + [_combine_name(dt, dv) for dt in DTYPES])
 
 
 @functools.lru_cache(maxsize=None)
@@ -364,6 +368,156 @@ def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kfirst, k
                  for part in dkdv_parts(d, dv))
 
 
+# -- decode (cuda/attn_decode.cu) ----------------------------------------------------------------
+
+# Query rows (of a (batch, KV head)'s T * group) per decode block: the block's rows share
+# every K/V load. More rows than this take more row groups, each reading the cache again
+# (from L2 mostly: its blocks run next to each other).
+DECODE_ROWS = 16
+DECODE_THREADS = 128
+# Bytes of K + V per tile (one of the two buffers): ~16 KiB keeps a tile in flight per block
+# while several blocks share an SM.
+DECODE_TILE_BYTES = 16 * 1024
+# Splits of the cache: enough blocks for about two waves of two resident blocks on each of
+# an H100/H200's 132 SMs, every split at least DECODE_SPLIT_ROWS cache rows (fewer and the
+# merge costs more than the parallelism buys), at most DECODE_MAX_SPLITS: the workspace,
+# splits x rows x (dv + 1) fp32, is bounded by that whatever the cache length.
+DECODE_TARGET_BLOCKS = 2 * 2 * 132
+DECODE_SPLIT_ROWS = 256
+DECODE_MAX_SPLITS = 256
+
+
+class Stacked(NamedTuple):
+    """P partial results stacked (the combine kernel's inputs): address and element
+    strides between partials (``sp``) and between rows (``sr``); a row's DV columns are
+    contiguous."""
+    ptr: int
+    sp: int
+    sr: int
+
+
+def decode_tile(dtype, d, dv):
+    """Cache rows per decode tile: the largest of 64, 32, 16 whose K + V fit
+    DECODE_TILE_BYTES (16 at least)."""
+    _check_dims(dtype, d, dv)
+    e = _itemsize(dtype)
+    return next((bn for bn in (64, 32) if bn * (d + dv) * e <= DECODE_TILE_BYTES), 16)
+
+
+def decode_smem_bytes(dtype, d, dv):
+    """Dynamic shared memory of burst_decode, mirroring decode_layout in attn_decode.cu."""
+    e, pad, bn, rows = _itemsize(dtype), _pad(dtype), decode_tile(dtype, d, dv), DECODE_ROWS
+    return (2 * bn * (d + pad) * e + 2 * bn * (dv + pad) * e + rows * (d + 4) * 4
+            + rows * (bn + 8) * 4 + rows * 4)
+
+
+def _decode_name(dtype, d, dv):
+    return f"burst_decode<{DTYPES[dtype]}, {d}, {dv}, {DECODE_ROWS}, {decode_tile(dtype, d, dv)}>"
+
+
+def _combine_name(dtype, dv):
+    return f"burst_decode_combine<{DTYPES[dtype]}, {dv}>"
+
+
+def decode_splits(n, blocks, tile=16):
+    """(splits, rows per split) of a decode over ``n`` cache rows when each split takes
+    ``blocks`` blocks (batch x KV heads x row groups). The rows per split are a multiple
+    of ``tile``, and no split is empty; n = 0 gives one split (that writes out 0, lse -inf)."""
+    if n <= 0:
+        return 1, tile
+    want = -(-DECODE_TARGET_BLOCKS // max(1, blocks))
+    splits = max(1, min(DECODE_MAX_SPLITS, n // DECODE_SPLIT_ROWS, want))
+    chunk = -(-(-(-n // splits)) // tile) * tile
+    return -(-n // chunk), chunk
+
+
+_INT32 = (-2 ** 31, 2 ** 31 - 1)
+
+
+def _int32(fn, name, value):
+    if not _INT32[0] <= value <= _INT32[1]:
+        raise ValueError(f"burstmpi.kernels.{fn}: {name}: expected an int32 value, got {value}")
+    return ("i", int(value))
+
+
+def _rows_aligned(t, dtype):
+    """Whether every row of a key-side tensor starts on a 16-byte boundary (cp.async)."""
+    e = _itemsize(dtype)
+    return t.ptr % 16 == 0 and all((s * e) % 16 == 0 for s in t[1:])
+
+
+def decode(dtype, d, dv, *, q, k, v, kpos, out, lse, out_split, lse_split, batch, kv_heads,
+           tokens, group, n, chunk, splits, qpos0, left, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+    """Attention of ``tokens`` x ``group`` query rows per (batch, KV head) over cache rows
+    0 .. n-1, split in ``splits`` chunks of ``chunk`` rows (see :func:`decode_splits`).
+
+    ``q``, ``out`` (fp32), ``lse`` (fp32) are Grouped (token = the new token); ``k``, ``v``
+    Strided (token = the cache row); ``kpos`` the address of n int32 positions, any order.
+    Query token t sits at position qpos0 + t and sees row j iff kpos[j] <= qpos0 + t and,
+    when ``left`` >= 0, kpos[j] >= qpos0 + t - left. Split s writes its normalised partial
+    at ``out`` + s * ``out_split`` and ``lse`` + s * ``lse_split`` (element offsets; 0 for a
+    single split written in place). Rows of k and v that are not 16-byte aligned are loaded
+    element by element instead of with cp.async."""
+    fn = "decode"
+    _kind(fn, (("q", q), ("out", out), ("lse", lse)), (("k", k), ("v", v)))
+    _check_dims(dtype, d, dv)
+    if kv_heads < 1 or tokens < 1 or group < 1 or batch < 0:
+        raise ValueError(f"burstmpi.kernels.decode: sizes: expected batch >= 0 and kv_heads, tokens, "
+                         f"group >= 1, got {(batch, kv_heads, tokens, group)}")
+    if not 1 <= splits <= 65535 or chunk < 1 or (n > 0 and (splits - 1) * chunk >= n):
+        raise ValueError(f"burstmpi.kernels.decode: splits: expected 1..65535 non-empty chunks of n={n} "
+                         f"rows, got {splits} x {chunk}")
+    smem = decode_smem_bytes(dtype, d, dv)
+    if smem > smem_limit:
+        raise ValueError(f"burstmpi.kernels.decode: {dtype} head dims {(d, dv)} need {smem} bytes of "
+                         f"shared memory, the device has {smem_limit}")
+    row_groups = -(-(tokens * group) // DECODE_ROWS)
+    blocks = batch * kv_heads * row_groups
+    if blocks >= 2 ** 31:
+        raise ValueError(f"burstmpi.kernels.decode: batch x kv_heads x row groups: expected < 2**31, got {blocks}")
+    vec = _rows_aligned(k, dtype) and _rows_aligned(v, dtype)
+    args = (_pointers(q.ptr, k.ptr, v.ptr, kpos, out.ptr, lse.ptr) + _strides(q, k, v, out)
+            + (("q", out_split),) + _strides(lse) + (("q", lse_split),)
+            + (_int32(fn, "kv_heads", kv_heads), _int32(fn, "tokens", tokens), _int32(fn, "group", group),
+               _int32(fn, "n", n), _int32(fn, "chunk", chunk), _int32(fn, "qpos0", qpos0),
+               _int32(fn, "left", left), ("f", float(scale)), ("i", int(vec))))
+    _int32(fn, "qpos0 + tokens - 1", qpos0 + tokens - 1)
+    _int32(fn, "tokens x group", tokens * group)
+    return Launch(_decode_name(dtype, d, dv), (blocks, splits, 1), (DECODE_THREADS, 1, 1), smem, args,
+                  (dtype, d, dv))
+
+
+def decode_combine(dtype, dv, *, out, lse, parts_out, parts_lse, rows, kv_heads, tokens, group, parts,
+                   module=None):
+    """Merge ``parts`` normalised partials (``parts_out``: Stacked fp32 rows of dv,
+    ``parts_lse``: Stacked fp32) of ``rows`` rows into ``out`` (dtype) and ``lse`` (fp32),
+    in the fixed order p = 0 .. parts-1 (no atomics: bitwise reproducible).
+
+    Row r is (batch, token, KV head, head in group) by r = ((b * kv_heads + hk) * tokens + t)
+    * group + gi, addressed through the Grouped ``out`` and ``lse``: decode splits merge
+    straight into a (B, kv_heads, T, group, dv) view, plain (rows, dv) arrays take
+    kv_heads = group = 1, tokens = rows. ``module``: the (dtype, d, dv) of a module to run
+    in (any with this dv holds the kernel); default the first head dims with this dv."""
+    fn = "decode_combine"
+    _kind(fn, (("out", out), ("lse", lse)))
+    for name, t in (("parts_out", parts_out), ("parts_lse", parts_lse)):
+        if not isinstance(t, Stacked):
+            raise TypeError(f"burstmpi.kernels.{fn}: {name}: expected burstmpi.kernels.Stacked, "
+                            f"got {type(t).__name__}")
+    if module is None:
+        module = _rowwise_module(dtype, dv)
+    elif module[2] != dv:
+        raise ValueError(f"burstmpi.kernels.{fn}: module: expected head dims with V head dim {dv}, got {module}")
+    _check_dims(dtype, module[1], dv)
+    if min(kv_heads, tokens, group) < 1 or rows < 0 or rows % (kv_heads * tokens * group):
+        raise ValueError(f"burstmpi.kernels.{fn}: rows: expected a multiple of kv_heads x tokens x group = "
+                         f"{kv_heads * tokens * group}, got {rows}")
+    args = (_pointers(out.ptr, lse.ptr, parts_out.ptr, parts_lse.ptr) + _strides(out, lse, parts_out, parts_lse)
+            + (_int32(fn, "rows", rows), _int32(fn, "kv_heads", kv_heads), _int32(fn, "tokens", tokens),
+               _int32(fn, "group", group), _int32(fn, "parts", parts)))
+    return Launch(_combine_name(dtype, dv), (-(-rows // 4), 1, 1), (128, 1, 1), 0, args, tuple(module))
+
+
 # -- compile check -----------------------------------------------------------------------------
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
@@ -399,6 +553,7 @@ def compile_report(arch):
                 cfg = config(kind, dtype, d, dv, limit)
                 for part in (dkdv_parts(d, dv) if kind == "dkdv" else (0,)):
                     dyn[_tiled_name(kind, dtype, d, dv, cfg, part)] = smem_bytes(kind, dtype, d, dv, cfg)
+            dyn[_decode_name(dtype, d, dv)] = decode_smem_bytes(dtype, d, dv)
             names += [n for n in kernel_names(dtype, d, dv, limit) if n not in names]
     names += PROBE_NAMES
     prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(src.encode(), b"burstmpi.cu", 0, [], []), "create")

@@ -37,3 +37,7 @@ def test_kernels_compile_without_spills(arch):
     for r in rows:
         assert r["smem_dynamic"] <= kernels.SMEM_LIMIT[arch], r
         assert r["registers"] <= 255, r
+    # The decode kernels are there for every (dtype, head dims), with their shared memory.
+    decode = {r["name"]: r["smem_dynamic"] for r in rows if r["name"].startswith("burst_decode<")}
+    assert decode == {kernels._decode_name(dt, d, dv): kernels.decode_smem_bytes(dt, d, dv)
+                      for dt in kernels.DTYPES for d, dv in kernels.HEAD_DIMS}

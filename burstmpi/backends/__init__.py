@@ -1,9 +1,11 @@
 """Backends: the local work of one ring step, for one kind of memory.
 
-A backend provides ``xp`` (the array module), ``alloc(nbytes)``, ``acc_dtype`` and the
+A backend provides ``xp`` (the array module), ``alloc(nbytes)``, ``acc_dtype``, the
 local work of a ring step: ``fwd_state``, ``fwd_block``, ``fwd_finalize``,
-``bwd_preprocess`` and ``bwd_block``. The ring algorithm in ``burstmpi.ring`` is written
-once against this interface. ``NumpyBackend`` computes with NumPy on the CPU;
+``bwd_preprocess`` and ``bwd_block``, and that of a decode (``burstmpi.cache``):
+``decode`` (new queries over a cache shard, a normalised partial) and ``combine`` (partials
+merged in a fixed order). The ring algorithm in ``burstmpi.ring`` and the cache are
+written once against this interface. ``NumpyBackend`` computes with NumPy on the CPU;
 ``KernelBackend`` launches burstmpi's CUDA kernels (``cuda/``).
 """
 

@@ -20,6 +20,12 @@ A block may have no rows at all (a rank holding no token when the sequence is sh
 than the ring): every launch goes through ``_run``, which never starts an empty grid, and
 a block pair of which one side has no rows launches nothing.
 
+Decode (``burstmpi.KVCache``) adds two local operations: ``decode`` attends T new query
+tokens to the first n rows of a cache shard (split-KV: the cache is cut in chunks that run
+in parallel, each leaving a normalised partial in a workspace bounded by
+``kernels.DECODE_MAX_SPLITS``, never by n), and ``combine`` merges normalised partials
+(out, lse) in a fixed order, the splits of one decode and the ranks' results alike.
+
 What runs the launches is the subclass's business: ``CupyBackend`` on a GPU, and the
 tests' emulator (tests/kernel_harness.py) on the CPU, with NumPy arrays standing in for
 device memory. Everything between the ring and the launch is therefore tested in CI.
@@ -55,6 +61,7 @@ class KernelBackend:
     def __init__(self, smem_limit=kernels.SMEM_LIMIT["sm_80"]):
         self.smem_limit = smem_limit
         self._ints = {}
+        self._decode_modules = {}  # V head dim -> the (dtype, d, dv) module decode last used
 
     # -- what a subclass provides ------------------------------------------------------
 
@@ -196,3 +203,133 @@ class KernelBackend:
                     self._run(spec)
         if poll is not None:
             poll()
+
+    # -- decode: the local work of burstmpi.KVCache ----------------------------------------
+
+    def decode(self, q, k, v, kpos, n, qpos0, left, scale, out, lse):
+        """Attention of T new queries over the first n rows of a cache shard, as a
+        normalised partial.
+
+        q      (B, Zkv, T, g, d) query-side view, any strides, float16/bfloat16/float32;
+        k, v   (B, Zkv, S, d), (B, Zkv, S, dv) views of the cache storage in q's dtype, any
+               strides with a contiguous feature axis (rows that are not 16-byte aligned are
+               loaded element by element: correct, slower); rows 0 .. n-1 are read, 0 <= n <= S;
+        kpos   int32 array of this backend's memory, contiguous, length >= n: the global
+               position of each cache row, in any order (a windowed cache is a ring buffer);
+        qpos0  the position of query token 0: token t sits at qpos0 + t and sees row j iff
+               kpos[j] <= qpos0 + t and (left < 0 or kpos[j] >= qpos0 + t - left);
+        out    (B, Zkv, T, g, dv) float32 view to write: sum_j p_j v_j / sum_j p_j with
+               p_j = exp(scale q.k_j - max), 0 where a row sees no key (never NaN);
+        lse    (B, Zkv, T, g) float32 view to write: natural-log logsumexp of scale q.k_j over
+               the visible rows, -inf where none. n = 0 gives out 0 and lse -inf everywhere.
+
+        The cache is cut in ``kernels.decode_splits`` chunks that run as separate blocks;
+        with more than one, their partials go to a workspace of splits x rows x (dv + 1)
+        fp32 (splits <= kernels.DECODE_MAX_SPLITS, whatever n) that ``combine``'s kernel
+        then merges into ``out`` and ``lse`` in a fixed order: two calls on the same
+        inputs give the same bits.
+        """
+        fn = "decode"
+        if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
+            raise ValueError(f"backend 'cuda': {fn}: q, k, v: expected (B, Zkv, T, g, d), (B, Zkv, S, d), "
+                             f"(B, Zkv, S, dv) arrays, got shapes {q.shape}, {k.shape}, {v.shape}")
+        B, Zkv, T, g, d = q.shape
+        S, dv = k.shape[2], v.shape[3]
+        if k.shape != (B, Zkv, S, d) or v.shape[:3] != (B, Zkv, S):
+            raise ValueError(f"backend 'cuda': {fn}: k, v: expected shapes {(B, Zkv, S, d)} and "
+                             f"{(B, Zkv, S, 'dv')}, got {k.shape} and {v.shape}")
+        dtype = _dtype_name(q.dtype)
+        for name, a in (("k", k), ("v", v)):
+            if a.dtype != q.dtype:
+                raise ValueError(f"backend 'cuda': {fn}: {name}: expected q's dtype {q.dtype}, got {a.dtype}")
+            if a.strides[-1] != a.itemsize and a.shape[-1] > 1:
+                raise ValueError(f"backend 'cuda': {fn}: {name}: expected a contiguous last (feature) axis, "
+                                 f"got strides {a.strides}")
+        for name, a, shape in (("out", out, (B, Zkv, T, g, dv)), ("lse", lse, (B, Zkv, T, g))):
+            if tuple(a.shape) != shape or a.dtype != np.float32:
+                raise ValueError(f"backend 'cuda': {fn}: {name}: expected a float32 array of shape {shape}, "
+                                 f"got {a.dtype} {tuple(a.shape)}")
+        n = int(n)
+        if not 0 <= n <= S:
+            raise ValueError(f"backend 'cuda': {fn}: n: expected 0 <= n <= S = {S}, got {n}")
+        if kpos.dtype != np.int32 or kpos.ndim != 1 or len(kpos) < n or (len(kpos) > 1 and kpos.strides[0] != 4):
+            raise ValueError(f"backend 'cuda': {fn}: kpos: expected a contiguous int32 array of length >= {n}, "
+                             f"got {kpos.dtype} {tuple(kpos.shape)} strides {kpos.strides}")
+        left = -1 if left is None or left < 0 else int(left)
+        if out.size == 0:  # no batch or no KV head: nothing to attend, nothing to write
+            return
+        if q.strides[-1] != q.itemsize and d > 1:
+            q = self.xp.ascontiguousarray(q)  # a few rows: copying costs nothing
+        dest = out
+        if out.strides[-1] != 4 and dv > 1:
+            out = self.xp.empty(out.shape, np.float32)
+        rows = T * g
+        bn = kernels.decode_tile(dtype, d, dv)
+        blocks = B * Zkv * -(-rows // kernels.DECODE_ROWS)
+        splits, chunk = kernels.decode_splits(n, blocks, bn)
+        if splits == 1:  # the one split writes the caller's arrays
+            parts_out, parts_lse = out, lse
+            out_split = lse_split = 0
+        else:
+            ws = self.alloc(4 * splits * B * Zkv * rows * (dv + 1)).view(np.float32)
+            parts_out = ws[:splits * B * Zkv * rows * dv].reshape(splits, B, Zkv, T, g, dv)
+            parts_lse = ws[splits * B * Zkv * rows * dv:].reshape(splits, B, Zkv, T, g)
+            out_split, lse_split = B * Zkv * rows * dv, B * Zkv * rows
+        module = (dtype, d, dv)
+        self._decode_modules[dv] = module
+        self._run(kernels.decode(
+            dtype, d, dv, q=self._grouped(q), k=self._cache(k), v=self._cache(v), kpos=self.ptr(kpos),
+            out=self._grouped(parts_out[0] if splits > 1 else parts_out),
+            lse=self._grouped(parts_lse[0] if splits > 1 else parts_lse), out_split=out_split,
+            lse_split=lse_split, batch=B, kv_heads=Zkv, tokens=T, group=g, n=n, chunk=chunk,
+            splits=splits, qpos0=int(qpos0), left=left, scale=scale, smem_limit=self.smem_limit))
+        if splits > 1:
+            self._run(kernels.decode_combine(
+                "float32", dv, out=self._grouped(out), lse=self._grouped(lse),
+                parts_out=kernels.Stacked(self.ptr(parts_out), out_split, dv),
+                parts_lse=kernels.Stacked(self.ptr(parts_lse), lse_split, 1),
+                rows=B * Zkv * rows, kv_heads=Zkv, tokens=T, group=g, parts=splits, module=module))
+        if out is not dest:
+            dest[...] = out
+
+    def _cache(self, a):
+        """A (B, Zkv, S, d) cache view as kernel strides, those of length-1 axes zeroed:
+        they are never stepped along, and must not cost a view its 16-byte alignment."""
+        s = [x // a.itemsize if a.shape[i] > 1 else 0 for i, x in enumerate(a.strides)]
+        return kernels.Strided(self.ptr(a), s[0], s[2], s[1])
+
+    def combine(self, parts_out, parts_lse, out, lse):
+        """Merge P normalised partials of R rows, in the fixed order p = 0 .. P-1 (no
+        atomics: the same inputs give the same bits).
+
+        parts_out  (P, R, dv) float32, parts_lse (P, R) float32 (natural log, -inf for a
+                   partial that saw nothing), rows with a contiguous last axis;
+        out        (R, dv) float16/bfloat16/float32 to write, lse (R,) float32 to write:
+                   m = max_p lse_p, w_p = exp(lse_p - m), L = sum_p w_p,
+                   out = sum_p w_p out_p / L, lse = m + log L; rows where every lse_p is -inf
+                   get out 0 and lse -inf.
+        """
+        fn = "combine"
+        if parts_out.ndim != 3:
+            raise ValueError(f"backend 'cuda': {fn}: parts_out: expected a (P, R, dv) array, got shape "
+                             f"{tuple(parts_out.shape)}")
+        P, R, dv = parts_out.shape
+        for name, a, shape in (("parts_out", parts_out, (P, R, dv)), ("parts_lse", parts_lse, (P, R)),
+                               ("lse", lse, (R,))):
+            if tuple(a.shape) != shape or a.dtype != np.float32:
+                raise ValueError(f"backend 'cuda': {fn}: {name}: expected a float32 array of shape {shape}, "
+                                 f"got {a.dtype} {tuple(a.shape)}")
+        if tuple(out.shape) != (R, dv):
+            raise ValueError(f"backend 'cuda': {fn}: out: expected shape {(R, dv)}, got {tuple(out.shape)}")
+        dtype = _dtype_name(out.dtype)
+        for name, a in (("parts_out", parts_out), ("out", out)):
+            if a.strides[-1] != a.itemsize and dv > 1:
+                raise ValueError(f"backend 'cuda': {fn}: {name}: expected a contiguous last axis, got strides "
+                                 f"{a.strides}")
+        el = lambda a, i: a.strides[i] // a.itemsize
+        self._run(kernels.decode_combine(
+            dtype, dv, out=kernels.Grouped(self.ptr(out), 0, el(out, 0), 0, 0),
+            lse=kernels.Grouped(self.ptr(lse), 0, el(lse, 0), 0, 0),
+            parts_out=kernels.Stacked(self.ptr(parts_out), el(parts_out, 0), el(parts_out, 1)),
+            parts_lse=kernels.Stacked(self.ptr(parts_lse), el(parts_lse, 0), el(parts_lse, 1)),
+            rows=R, kv_heads=1, tokens=max(R, 1), group=1, parts=P, module=self._decode_modules.get(dv)))

@@ -1,0 +1,59 @@
+"""KVCache on burstmpi's CUDA kernels, run by the CPU emulator: the prefill (the ring on the
+emulated kernels), every decode step (cuda/attn_decode.cu's split-KV kernel and its combine)
+and the merge across ranks (the same combine kernel), against float64. Everything a GPU run
+does but the GPU itself. Runs alone and under mpiexec."""
+
+import numpy as np
+import pytest
+
+import kernel_harness as kh
+from conftest import COMM, NRANKS, RANK
+from test_decode import _problem, run_cache
+
+import burstmpi
+
+pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
+
+DTYPES = ("float16", "bfloat16", "float32")
+CONFIGS = [(dt, 32, 32) for dt in DTYPES]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    # Rank 0 compiles; the others then load the cached library instead of racing g++.
+    if RANK == 0:
+        kh.backend_library(CONFIGS)
+    COMM.Barrier()
+    return kh.backend_library(CONFIGS)
+
+
+def _backend(lib):
+    return kh.EmulatedBackend(lib, schedule=list(kh.SCHEDULES)[RANK % len(kh.SCHEDULES)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_and_decode_on_emulated_kernels(lib, dtype):
+    be = _backend(lib)
+    run_cache(dtype=dtype, d=32, backend=be, N0=5 * NRANKS + 2, Ts=(1,) * 6 + (3, 1), tag="kernels decode ")
+    assert be.launches > 0
+
+
+@pytest.mark.parametrize("Z,Zkv,window,layout", [(4, 1, None, "zigzag"), (4, 4, (6, 0), "contiguous"),
+                                                   (6, 2, (9, -1), "striped")])
+def test_gqa_windows_layouts_on_emulated_kernels(lib, Z, Zkv, window, layout):
+    capacity = None if window is None else window[0] + 3
+    run_cache(dtype="bfloat16", d=32, Z=Z, Zkv=Zkv, window=window, layout=layout, backend=_backend(lib),
+              N0=4 * NRANKS + 1, Ts=(1,) * 10 + (3,), capacity=capacity, tag="kernels decode ")
+
+
+def test_empty_cache_and_many_rows_on_emulated_kernels(lib):
+    # From an empty cache; then a chunk of 21 tokens x 2 heads per KV head: several row
+    # groups of the decode kernel.
+    run_cache(dtype="float16", d=32, backend=_backend(lib), N0=0, Ts=(1, 2, 21, 1), tag="kernels decode ")
+
+
+def test_float64_needs_the_numpy_backend(lib):
+    cache = burstmpi.KVCache(capacity=8, batch=1, kv_heads=2, head_dim=32, dtype=np.float64)
+    cache.runtime.backend = _backend(lib)
+    with pytest.raises(ValueError, match=r"KVCache.decode: dtype: a cache of float64 cannot live on backend .*float64 caches run on backend=.numpy."):
+        cache.decode(*_problem(d=32, dtype=np.float64))
