@@ -122,8 +122,9 @@ class KVCache:
         position i sees positions ``i - left .. i`` (``left = -1``: all earlier ones).
     backend : {"auto", "numpy", "cuda"}
         Where the cache lives. "auto" decides on the first call from its arrays (host
-        arrays: NumPy; GPU arrays: the CUDA kernels); later calls with arrays of the other
-        kind are copied to the cache's memory and their results copied back.
+        arrays: NumPy; GPU arrays: the CUDA kernels), and the cache stays there: host
+        arrays given to a GPU cache are copied to the device and their results come back
+        as host arrays; GPU arrays given to a host cache raise.
     device : int, optional
         The CUDA device of this rank (default: node-local rank modulo the visible GPUs).
 
@@ -367,10 +368,8 @@ class KVCache:
         pos = np.concatenate(src_pos)
         order = np.argsort(pos, kind="stable")  # slots in position order: the oldest first
         got = recv.view(self.dtype)[order]
-        if len(got) > self.slots:
-            raise ValueError(f"{fn}: capacity: rank {me} must keep {len(got)} tokens of the window, "
-                             f"more than its {self.slots} slots; expected capacity >= {self.left} + the "
-                             f"tokens of one decode call, got {self.capacity}")
+        # At most ceil(left / P) tokens each: the capacity check of _admit (left <= capacity) keeps it in the slots.
+        assert len(got) <= self.slots, (len(got), self.slots)
         xp = rt.backend.xp
         split = lambda a, e: np.ascontiguousarray(a.reshape(-1, B, Zkv, e).transpose(1, 0, 2, 3))
         kn, vn = split(got[:, :B * Zkv * d], d), split(got[:, B * Zkv * d:], dv)

@@ -311,3 +311,12 @@ def backend_library(configs, smem_limit=kernels.SMEM_LIMIT["sm_90"]):
     for dtype, d, dv in configs:
         names += [n for n in kernels.kernel_names(dtype, d, dv, smem_limit) if n not in names]
     return build(names)
+
+
+def library_on_every_rank(comm, configs):
+    """``backend_library`` under mpiexec: rank 0 compiles, then every rank loads the cached
+    library (instead of racing g++ for the same file)."""
+    if comm.Get_rank() == 0:
+        backend_library(configs)
+    comm.Barrier()
+    return backend_library(configs)

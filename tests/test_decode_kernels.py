@@ -20,11 +20,7 @@ CONFIGS = [(dt, 32, 32) for dt in DTYPES]
 
 @pytest.fixture(scope="module")
 def lib():
-    # Rank 0 compiles; the others then load the cached library instead of racing g++.
-    if RANK == 0:
-        kh.backend_library(CONFIGS)
-    COMM.Barrier()
-    return kh.backend_library(CONFIGS)
+    return kh.library_on_every_rank(COMM, CONFIGS)
 
 
 def _backend(lib):

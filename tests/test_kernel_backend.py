@@ -16,11 +16,7 @@ LAYOUTS = ["contiguous", "zigzag", "striped"]
 
 @pytest.fixture(scope="module")
 def lib():
-    # Rank 0 compiles; the others then load the cached library instead of racing g++.
-    if RANK == 0:
-        kh.backend_library(CONFIGS)
-    COMM.Barrier()
-    return kh.backend_library(CONFIGS)
+    return kh.library_on_every_rank(COMM, CONFIGS)
 
 
 CASES = [(dt, mask, mode, LAYOUTS[i % 3])

