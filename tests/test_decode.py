@@ -17,14 +17,19 @@ from conftest import COMM, DTYPES, NRANKS, RANK, check_close, dtype_of, needs_ra
 
 
 def run_cache(*, B=1, N0=13, Ts=(1,) * 6, Z=4, Zkv=2, d=16, dv=None, dtype="float32", window=None,
-              layout="contiguous", capacity=None, backend=None, seed=0, tag="decode "):
-    """Prefill ``N0`` tokens, decode ``Ts`` tokens per call; check every result. Returns the cache."""
+              layout="contiguous", capacity=None, backend=None, transport=None, seed=0, tag="decode "):
+    """Prefill ``N0`` tokens, decode ``Ts`` tokens per call; check every result. Returns the cache.
+
+    ``backend``: a backend object to run on; ``transport``: a transport class to build the
+    cache's transport from (its communicator as argument)."""
     total = N0 + sum(Ts)
     q, k, v, _ = ref.random_problem(B, total, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     cache = burstmpi.KVCache(capacity=total if capacity is None else capacity, batch=B, kv_heads=Zkv,
                              head_dim=d, v_head_dim=dv, dtype=dtype_of(dtype), window=window)
     if backend is not None:
         cache.runtime.backend = backend
+    if transport is not None:
+        cache.runtime.transport = transport(cache.runtime.comm)
     opts = dict(causal=True, window=window)
     o64, l64 = ref.forward(q, k, v, **opts)
     op, lp = ref.forward(q, k, v, precision="plain", **opts)

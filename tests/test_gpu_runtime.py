@@ -148,6 +148,10 @@ def _fakes():
 
     class Comm:
         @staticmethod
+        def allGather(send, recv, n, dt, stream):
+            log("allGather", n, stream == t.stream.ptr)
+
+        @staticmethod
         def send(ptr, n, dt, peer, stream):
             log("send", peer, n, stream == t.stream.ptr)
 
@@ -177,6 +181,18 @@ def test_nccl_transport_orders_a_step_with_events():
     assert all(e[3] for e in log if e[0] in ("send", "recv")), "transfers must run on the comm stream"
     assert s.event is r.event
     t.finish()  # completed event: returns at once
+
+
+def test_nccl_allgather_is_ordered_after_the_kernels_and_before_the_merge():
+    # The decode's one collective: the comm stream waits for the partial's kernels, the
+    # compute stream (the merge) waits for the allgather; no host synchronisation.
+    t, log, Buf = _fakes()
+    t.allgather(Buf(96), Buf(96 * 4))
+    steps = [e[:2] for e in log]
+    assert steps == [("record", "compute"), ("wait", "comm"), ("allGather", 96), ("record", "comm"),
+                     ("wait", "compute")]
+    assert log[1][2] == log[0][2] and log[-1][2] == log[-2][2] and log[2][2]
+    t.finish()
 
 
 def test_nccl_transport_refuses_transfers_outside_a_group():
@@ -213,6 +229,16 @@ def test_staged_transport_through_the_ring(mode, causal):
     assert plan.transport.name == "mpi-staged"
     assert (plan.transport.copies > 0) == (NRANKS > 1)
     assert RANK < NRANKS
+
+
+@pytest.mark.timeout(120)
+def test_staged_transport_through_the_decode():
+    """The decode's allgather staged through host buffers, as GPU caches without NCCL do."""
+    from test_decode import run_cache
+
+    cache = run_cache(dtype="float32", N0=2 * NRANKS + 1, Ts=(1, 2, 1), transport=_CopyingTransport,
+                      tag="staged ")
+    assert cache.runtime.transport.name == "mpi-staged" and cache.runtime.transport.copies > 0
 
 
 @no_gpu
