@@ -223,13 +223,17 @@ class KVCache:
         return self.runtime.kind(arrays)
 
     def _begin(self, fn, arrays):
-        """Be on the cache's backend (collective the first time) and convert the arrays."""
-        rt = self.runtime
-        rt.begin(fn, self._kind(arrays), self._signature)
+        """Be on the cache's backend: collective the first time, and then it raises alike
+        on every rank if they disagree (``Runtime.begin``)."""
+        self.runtime.begin(fn, self._kind(arrays), self._signature)
+
+    def _local(self, fn, arrays):
+        """This rank's part of a call's set-up (its errors go into the call's collective):
+        the storage, and the arrays in the cache's memory."""
         if self._released:
             raise RuntimeError(f"{fn}: the cache was released")
         self._allocate(fn)
-        return rt.convert(fn, arrays)
+        return self.runtime.convert(fn, arrays)
 
     def _check(self, fn, h, decoding):
         """This call's (tokens, query heads) after checking its arrays against the cache."""
@@ -292,10 +296,11 @@ class KVCache:
         the global layout its parts make, its query heads."""
         rt = self.runtime
         error, h, C, Z = None, None, 0, None
+        self._begin(fn, arrays)
         try:
             if layout not in LAYOUTS:
                 raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
-            h = self._begin(fn, arrays)
+            h = self._local(fn, arrays)
             C, Z = self._check(fn, h, decoding=False)
             if self.seqlen:
                 raise ValueError(f"{fn}: the cache already holds {self.seqlen} tokens; {fn.split('.')[1]} fills "
@@ -463,8 +468,10 @@ class KVCache:
         t_start = time.perf_counter()
         self._compute_s, self._calls = 0.0, 0
         error, h, T, Z, written, sig = None, None, 0, 0, None, []
+        arrays = {"q": q, "k": k, "v": v}
+        self._begin(fn, arrays)
         try:
-            h = self._begin(fn, {"q": q, "k": k, "v": v})
+            h = self._local(fn, arrays)
             T, Z = self._check(fn, h, decoding=True)
             sig = [("T", T), ("heads", Z), ("seqlen", self.seqlen),
                    ("q", fingerprint(_host(h["q"]))), ("k", fingerprint(_host(h["k"]))),
