@@ -536,6 +536,7 @@ class KVCache:
         else:
             send["hdr"][...] = be.xp.asarray(hdr)
         rt.transport.allgather(send_raw, recv_raw)
+        rt.finish()  # NCCL: wait with a timeout and the async error check, never hang
         self._calls += 1
         # The header leads every message (comm._packet puts the widest fields first, and
         # it is listed first): one copy of the gathered bytes to the host reads them all.
