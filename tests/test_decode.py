@@ -17,7 +17,8 @@ from conftest import COMM, DTYPES, NRANKS, RANK, check_close, dtype_of, needs_ra
 
 
 def run_cache(*, B=1, N0=13, Ts=(1,) * 6, Z=4, Zkv=2, d=16, dv=None, dtype="float32", window=None,
-              layout="contiguous", capacity=None, backend=None, transport=None, seed=0, tag="decode "):
+              layout="contiguous", capacity=None, backend=None, transport=None, seed=0, tag="decode ",
+              softmax_scale=None):
     """Prefill ``N0`` tokens, decode ``Ts`` tokens per call; check every result. Returns the cache.
 
     ``backend``: a backend object to run on; ``transport``: a transport class to build the
@@ -25,12 +26,13 @@ def run_cache(*, B=1, N0=13, Ts=(1,) * 6, Z=4, Zkv=2, d=16, dv=None, dtype="floa
     total = N0 + sum(Ts)
     q, k, v, _ = ref.random_problem(B, total, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     cache = burstmpi.KVCache(capacity=total if capacity is None else capacity, batch=B, kv_heads=Zkv,
-                             head_dim=d, v_head_dim=dv, dtype=dtype_of(dtype), window=window)
+                             head_dim=d, v_head_dim=dv, dtype=dtype_of(dtype), window=window,
+                             softmax_scale=softmax_scale)
     if backend is not None:
         cache.runtime.backend = backend
     if transport is not None:
         cache.runtime.transport = transport(cache.runtime.comm)
-    opts = dict(causal=True, window=window)
+    opts = dict(causal=True, window=window, softmax_scale=softmax_scale)
     o64, l64 = ref.forward(q, k, v, **opts)
     op, lp = ref.forward(q, k, v, precision="plain", **opts)
     if N0:
@@ -88,6 +90,10 @@ def test_windows_reuse_slots(window):
     Ts = (1,) * 12 + (2, 1, 2)
     cache = run_cache(window=window, N0=4 * NRANKS + 3, Ts=Ts, capacity=window[0] + 2)
     assert cache.seqlen == 4 * NRANKS + 3 + sum(Ts) > cache.capacity
+
+
+def test_softmax_scale_applies_to_prefill_and_decode():
+    run_cache(softmax_scale=0.7, window=(6, 0), N0=3 * NRANKS + 2, Ts=(1, 2, 1))
 
 
 def test_chunked_prefill_is_decode_with_many_tokens():
