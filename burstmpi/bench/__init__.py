@@ -16,10 +16,11 @@ from mpi4py import MPI
 
 from . import attention, decode as decode_mode
 from ..layout import LAYOUTS
-from .attention import COLUMNS, CONFIG_KEYS, PRESETS, flops, run_config, _docs
+from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
 from .common import DTYPES, cpu_line, parse_size, parse_window
 
 __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
+
 
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))
 @click.option("-b", "--minseq", default="1K", callback=parse_size, show_default=True,
@@ -42,7 +43,7 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
 @click.option("-m", "--mask", default="both", show_default=True, type=click.Choice(["none", "causal", "both"]))
 @click.option("-l", "--layout", default="zigzag", show_default=True, type=click.Choice(list(LAYOUTS) + ["all"]))
 @click.option("--window", default=None, callback=parse_window, help="Sliding window LEFT,RIGHT (-1 = unbounded).")
-@click.option("--docs", default=None, callback=lambda ctx, p, v: None if v is None else _docs(v),
+@click.option("--docs", default=None, callback=lambda ctx, p, v: None if v is None else check_docs(v),
               help="Pack each sequence with documents: fixed:LEN, lognormal:MEAN (seeded) or file:PATH "
                    "(one length per line); also times the padded-per-document way.")
 @click.option("--bwd", "bwd_comm", default="auto", show_default=True,

@@ -71,7 +71,7 @@ from ..layout import LAYOUTS
 from .common import (DTYPES, REDUCE, TOLERANCE, Device, choices, cores, idle_barrier, np_dtype,
                      resolve_device, seqlens, sweep, timed, wall)
 
-__all__ = ["COLUMNS", "CONFIG_KEYS", "PRESETS", "flops", "run_config", "main"]
+__all__ = ["COLUMNS", "CONFIG_KEYS", "PRESETS", "check_docs", "flops", "run_config", "main"]
 
 CHECK_ROWS = 64
 
@@ -150,7 +150,7 @@ def flops(batch, seqlen, heads, head_dim, causal, phase="fwd", window=None, cu_s
     return {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}[phase]
 
 
-def _docs(spec):
+def check_docs(spec):
     """A --docs SPEC, checked (or None)."""
     if spec is None:
         return None
@@ -435,7 +435,7 @@ def main(comm, ctx, o):
         values.update({k: v for k, v in ps.items() if not given(k)})
         minseq, maxseq, stepfactor = values["minseq"], values["maxseq"], values["stepfactor"]
         heads, kv_heads, head_dim = values["heads"], values["kv_heads"], values["head_dim"]
-        dtype, mask, layout, docs = values["dtype"], values["mask"], values["layout"], _docs(values["docs"])
+        dtype, mask, layout, docs = values["dtype"], values["mask"], values["layout"], check_docs(values["docs"])
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise click.BadParameter(f"--kv-heads must divide --heads ({heads}), got {kv_heads}")
