@@ -31,6 +31,9 @@ EXTRAS_REQUIRE = {
     "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
     # burstmpi.plot: figures from the bench's JSON.
     "plot": ["matplotlib"],
+    # The framework adapters burstmpi.torch and burstmpi.jax (never needed by the core).
+    "torch": ["torch>=2.1"],
+    "jax": ["jax>=0.4.30"],
 }
 
 # -- console scripts ------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""``burstmpi.jax``: burstmpi's attention as a differentiable JAX function, eager or jitted.
+
+    import burstmpi.jax as bj
+    loss = lambda q, k, v: bj.attention(q, k, v, causal=True).sum()
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)      # collective, every rank
+
+``attention`` is a ``jax.custom_vjp`` whose forward and backward are burstmpi's own, run
+as *ordered* host callbacks (``jax.experimental.io_callback(..., ordered=True)``): XLA keeps
+them in program order on every rank and never drops, duplicates or reorders them, so the
+ring's collectives match across ranks inside ``jax.jit``, ``jax.grad`` and
+``jax.value_and_grad`` as they do eagerly (an unordered ``pure_callback`` could be moved or
+removed, and one rank's ring would then wait for another's forever). The residuals are q,
+k, v, out and lse.
+
+Memory: a host callback receives host arrays. CPU arrays pass through without a copy to the
+NumPy backend. Arrays on a GPU are staged through host memory by XLA (and then run on the
+NumPy backend): that is slow, so it says so with a warning the first time; for GPU arrays use
+the torch adapter or call ``burstmpi.attention`` on the arrays (DLPack, zero-copy) outside
+``jit``.
+
+Importing ``burstmpi`` never imports JAX; importing this module without JAX raises an
+ImportError that says so.
+"""
+
+try:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("burstmpi.jax needs JAX (pip install jax); `import burstmpi` alone does not") from e
+
+import warnings
+
+import numpy as np
+from mpi4py import MPI
+
+from .plan import BurstAttention
+from .validate import check_cu_seqlens, fingerprint
+
+__all__ = ["attention"]
+
+_FUNCS = {}
+_KEPT = 32
+_warned = []
+
+
+def _lse_dtype(dtype):
+    return jnp.float64 if np.dtype(dtype) == np.float64 else jnp.float32
+
+
+def _build(plan, cu):
+    """The custom_vjp function of one plan and one document packing."""
+
+    def host_forward(q, k, v):
+        out, lse = plan.forward(np.asarray(q), np.asarray(k), np.asarray(v), cu_seqlens=cu)
+        return np.asarray(out), np.asarray(lse)
+
+    def host_backward(dout, q, k, v, out, lse):
+        return tuple(np.asarray(g) for g in plan.backward(*(np.asarray(a) for a in (dout, q, k, v, out, lse)),
+                                                           cu_seqlens=cu))
+
+    def forward(q, k, v):
+        B, C, Z, _ = q.shape
+        shapes = (jax.ShapeDtypeStruct(q.shape[:3] + (v.shape[3],), q.dtype),
+                  jax.ShapeDtypeStruct((B, Z, C), _lse_dtype(q.dtype)))
+        return io_callback(host_forward, shapes, q, k, v, ordered=True)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return forward(q, k, v)[0]
+
+    def attend_fwd(q, k, v):
+        out, lse = forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def attend_bwd(res, dout):
+        q, k, v, out, lse = res
+        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        return io_callback(host_backward, shapes, dout.astype(q.dtype), q, k, v, out, lse, ordered=True)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
+def _on_gpu(x):
+    try:
+        return any(d.platform != "cpu" for d in x.devices())
+    except Exception:  # a tracer: its placement is XLA's business
+        return False
+
+
+def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout="contiguous",
+              cu_seqlens=None, bwd_comm="auto"):
+    """``burstmpi.attention`` as a differentiable function of JAX arrays q, k, v (eager, or
+    inside ``jax.jit``/``jax.grad``). Shapes, masks, documents and layouts as in
+    ``burstmpi.attention`` (this rank's part of the sequence; ``cu_seqlens`` a list or
+    NumPy array: static, like a shape). Returns out like q. Collective over ``comm`` in the
+    forward and in the backward; every rank must trace and run the same program."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    cu = check_cu_seqlens("burstmpi.jax.attention", cu_seqlens)
+    key = (comm.py2f(), bool(causal), None if window is None else tuple(window), softmax_scale, layout,
+           bwd_comm, fingerprint(cu))
+    fn = _FUNCS.get(key)
+    if fn is None:
+        if len(_FUNCS) >= _KEPT:
+            _FUNCS.pop(next(iter(_FUNCS)))
+        plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
+                              bwd_comm=bwd_comm, backend="numpy")
+        fn = _FUNCS[key] = _build(plan, cu)
+    if not _warned and any(_on_gpu(x) for x in (q, k, v)):
+        _warned.append(True)
+        warnings.warn("burstmpi.jax.attention: GPU arrays go through host callbacks (XLA copies them to "
+                      "host memory and back) and run on the NumPy backend; for GPU speed call "
+                      "burstmpi.attention on the arrays outside jit, or use burstmpi.torch", stacklevel=2)
+    return fn(q, k, v)

@@ -1,0 +1,92 @@
+"""``burstmpi.torch``: burstmpi's attention as a differentiable PyTorch function.
+
+    import burstmpi.torch as bt
+    out = bt.attention(q, k, v, causal=True, layout="zigzag")   # this rank's tokens
+    loss = out.float().square().sum(); loss.backward()          # every rank: collective
+
+``attention`` is a ``torch.autograd.Function`` over a cached ``BurstAttention`` plan: the
+forward runs the ring's forward and saves q, k, v, out and lse (nothing else); the backward
+runs burstmpi's own backward (every rank calls it: the loss's backward is collective, as
+in any data-parallel step). Any subset of q, k, v may require grad, and they may be
+non-leaf tensors (projections). CPU tensors run on the NumPy backend through zero-copy
+NumPy views; CUDA tensors on the CUDA backend through DLPack, on the tensor's current
+stream. Gradients come back in the inputs' dtype and device.
+
+Importing ``burstmpi`` never imports torch; importing this module without torch raises an
+ImportError that says so.
+"""
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("burstmpi.torch needs PyTorch (pip install torch); `import burstmpi` alone "
+                      "does not") from e
+
+from mpi4py import MPI
+
+from .plan import BurstAttention
+
+__all__ = ["attention"]
+
+_PLANS = {}
+_PLANS_KEPT = 16
+
+
+def _plan(comm, causal, window, softmax_scale, layout, bwd_comm):
+    """The plan for these options, kept so its ring buffers are reused from step to step."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    handle = comm.py2f() if isinstance(comm, MPI.Comm) else id(comm)
+    key = (handle, bool(causal), None if window is None else tuple(window), softmax_scale, layout, bwd_comm)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
+                                            layout=layout, bwd_comm=bwd_comm)
+    return plan
+
+
+def _stream(t):
+    """Run CuPy on ``t``'s current CUDA stream (a no-op context for CPU tensors)."""
+    import contextlib
+
+    if not t.is_cuda:
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, cu_seqlens):
+        with _stream(q):
+            out, lse = plan.forward(q.detach(), k.detach(), v.detach(), cu_seqlens=cu_seqlens)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.cu_seqlens = plan, cu_seqlens
+        ctx.mark_non_differentiable(lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        with _stream(q):
+            dq, dk, dv = ctx.plan.backward(dout.contiguous(), q.detach(), k.detach(), v.detach(), out, lse,
+                                           cu_seqlens=ctx.cu_seqlens)
+        return dq, dk, dv, None, None
+
+
+def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout="contiguous",
+              cu_seqlens=None, bwd_comm="auto"):
+    """``burstmpi.attention`` as a differentiable function of torch tensors q, k, v.
+
+    Shapes, masks, documents and layouts as in ``burstmpi.attention`` (this rank's part of
+    the sequence; ``cu_seqlens`` a list, NumPy array or CPU tensor of global offsets).
+    Returns out like q. Collective over ``comm`` in the forward and in the backward."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"burstmpi.torch.attention: {name}: expected a torch.Tensor, got {type(x).__name__}")
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.detach().cpu().numpy()
+    plan = _plan(comm, causal, window, softmax_scale, layout, bwd_comm)
+    return _Attention.apply(q, k, v, plan, cu_seqlens)
