@@ -1,13 +1,15 @@
 """What the framework adapters cost over the plain API, on the same call, in one run.
 
-    mpiexec -n 4 python -m mpi4py examples/adapter_overhead.py [N] [heads] [head_dim]
+    mpiexec -n 4 python -m mpi4py examples/adapter_overhead.py [N] [heads] [head_dim] [iters]
+    python examples/adapter_overhead.py 256 4 64 200     # the fixed cost per call, precisely
 
 Times, interleaved on the same inputs (this rank's part of a global sequence of N tokens,
 float32, causal, zigzag): forward, and forward + backward, through a plain
 ``BurstAttention`` plan (NumPy arrays), through ``burstmpi.torch.attention`` (CPU tensors
 that require grad, ``out.backward(dout)``) and through ``burstmpi.jax.attention`` under
-``jax.jit`` (``jax.vjp``). Prints the fastest of the iterations of each, slowest rank, and
-each adapter's overhead over the plain call; skips a framework that is not installed.
+``jax.jit`` (``jax.vjp``), in a rotating order. Prints the fastest of the iterations of
+each, slowest rank, and each adapter's overhead over the plain call; skips a framework that
+is not installed.
 """
 
 import sys
@@ -19,8 +21,7 @@ from mpi4py import MPI
 import burstmpi
 
 comm = MPI.COMM_WORLD
-N, H, D = (int(a) for a in (sys.argv[1:] + ["16384", "4", "64"][len(sys.argv) - 1:])[:3])
-ITERS = 3
+N, H, D, ITERS = (int(a) for a in (sys.argv[1:] + ["16384", "4", "64", "3"][len(sys.argv) - 1:])[:4])
 opts = dict(causal=True, layout="zigzag")
 rng = np.random.default_rng(comm.Get_rank())
 C = burstmpi.shard_indices(N, layout="zigzag").size
@@ -79,8 +80,10 @@ except ImportError:
     pass
 
 best = {(w, p): float("inf") for w in ways for p in ("fwd", "f+b")}
+names = list(ways)
 for it in range(ITERS + 1):  # the first round warms up (plans, jit compilation)
-    for w, (fwd, fb) in ways.items():
+    for w in names[it % len(names):] + names[:it % len(names)]:  # each way goes first once
+        fwd, fb = ways[w]
         for phase, fn in (("fwd", fwd), ("f+b", fb)):
             comm.Barrier()
             t0 = time.perf_counter()
@@ -93,6 +96,7 @@ if comm.Get_rank() == 0:
           f"fastest of {ITERS}, slowest rank")
     for phase in ("fwd", "f+b"):
         base = best["plain", phase]
-        cells = [f"{w} {best[w, phase]:.3f} s" + ("" if w == "plain" else f" ({100 * (best[w, phase] / base - 1):+.1f} %)")
+        cells = [f"{w} {1e3 * best[w, phase]:.2f} ms" + ("" if w == "plain" else
+                 f" ({1e3 * (best[w, phase] - base):+.2f} ms, {100 * (best[w, phase] / base - 1):+.1f} %)")
                  for w in ways]
         print(f"{phase:4s}: " + ", ".join(cells))
