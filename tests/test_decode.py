@@ -63,17 +63,25 @@ def run_cache(*, B=1, N0=13, Ts=(1,) * 6, Z=4, Zkv=2, d=16, dv=None, dtype="floa
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_then_decode_every_dtype(dtype):
-    run_cache(dtype=dtype, N0=2 * NRANKS + 3, Ts=(1,) * 5 + (3, 1))
+    cache = run_cache(dtype=dtype, N0=2 * NRANKS + 3, Ts=(1,) * 5 + (3, 1))
+    assert cache.seqlen == 2 * NRANKS + 12 and cache.dtype == dtype_of(dtype)
+    # The last call went back from T = 3 to T = 1: one more allgather at the new size.
+    assert cache.last_stats.tokens == 1 and cache.last_stats.collectives == 2
 
 
 @pytest.mark.parametrize("Z,Zkv", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 def test_heads_and_layouts(Z, Zkv, layout):
-    run_cache(Z=Z, Zkv=Zkv, layout=layout, N0=3 * NRANKS + 1, Ts=(1, 2, 1, 4), B=2, dv=8)
+    cache = run_cache(Z=Z, Zkv=Zkv, layout=layout, N0=3 * NRANKS + 1, Ts=(1, 2, 1, 4), B=2, dv=8)
+    assert cache.heads == Z and cache.seqlen == 3 * NRANKS + 9
 
 
 def test_hundred_steps_float32():
-    run_cache(N0=5 * NRANKS + 2, Ts=(1,) * 100, Z=4, Zkv=2, d=16)
+    cache = run_cache(N0=5 * NRANKS + 2, Ts=(1,) * 100, Z=4, Zkv=2, d=16)
+    st = cache.last_stats
+    # Steady state: one collective per call, moving a message that does not grow with the cache.
+    assert st.collectives == 1 and st.cached == 5 * NRANKS + 102
+    assert st.bytes_moved == (NRANKS - 1) * st.message_bytes and st.message_bytes == 32 + 16 + 4 * 16 * 4
 
 
 @pytest.mark.parametrize("N0", [0, 1])
@@ -93,11 +101,13 @@ def test_windows_reuse_slots(window):
 
 
 def test_softmax_scale_applies_to_prefill_and_decode():
-    run_cache(softmax_scale=0.7, window=(6, 0), N0=3 * NRANKS + 2, Ts=(1, 2, 1))
+    cache = run_cache(softmax_scale=0.7, window=(6, 0), N0=3 * NRANKS + 2, Ts=(1, 2, 1))
+    assert cache.scale == 0.7
 
 
 def test_chunked_prefill_is_decode_with_many_tokens():
-    run_cache(N0=2 * NRANKS, Ts=(9, 1, 17, 1))
+    cache = run_cache(N0=2 * NRANKS, Ts=(9, 1, 17, 1))
+    assert cache.seqlen == 2 * NRANKS + 28
 
 
 # -- errors: every rank raises the same, and the cache is left as it was --------------------

@@ -38,14 +38,18 @@ def test_prefill_and_decode_on_emulated_kernels(lib, dtype):
                                                    (6, 2, (9, -1), "striped")])
 def test_gqa_windows_layouts_on_emulated_kernels(lib, Z, Zkv, window, layout):
     capacity = None if window is None else window[0] + 3
-    run_cache(dtype="bfloat16", d=32, Z=Z, Zkv=Zkv, window=window, layout=layout, backend=_backend(lib),
-              N0=4 * NRANKS + 1, Ts=(1,) * 10 + (3,), capacity=capacity, tag="kernels decode ")
+    be = _backend(lib)
+    cache = run_cache(dtype="bfloat16", d=32, Z=Z, Zkv=Zkv, window=window, layout=layout, backend=be,
+                      N0=4 * NRANKS + 1, Ts=(1,) * 10 + (3,), capacity=capacity, tag="kernels decode ")
+    assert cache.runtime.backend is be and be.launches > 0
 
 
 def test_empty_cache_and_many_rows_on_emulated_kernels(lib):
     # From an empty cache; then a chunk of 21 tokens x 2 heads per KV head: several row
     # groups of the decode kernel.
-    run_cache(dtype="float16", d=32, backend=_backend(lib), N0=0, Ts=(1, 2, 21, 1), tag="kernels decode ")
+    be = _backend(lib)
+    cache = run_cache(dtype="float16", d=32, backend=be, N0=0, Ts=(1, 2, 21, 1), tag="kernels decode ")
+    assert cache.seqlen == 25 and be.launches > 0
 
 
 def test_float64_needs_the_numpy_backend(lib):
