@@ -325,19 +325,18 @@ class KVCache:
         rt = self.runtime
         with abort_on_device_error(rt.comm):
             if self.left < 0:
-                self._store(h["k"], h["v"], np.arange(h["k"].shape[1]), lay.positions(rt.rank))
+                self._store(h["k"], h["v"], lay.positions(rt.rank))
             else:
                 self._store_window_tail(fn, h["k"], h["v"], lay)
         self.seqlen, self.heads = lay.seqlen, Z
         self._shape = (1, Z)
 
-    def _store(self, k, v, rows, positions):
-        """Append the rows ``rows`` of (B, C, Zkv, d) arrays ``k``, ``v`` at the next slots."""
-        n = len(rows)
+    def _store(self, k, v, positions):
+        """Append every row of (B, C, Zkv, d) arrays ``k``, ``v`` at the next slots."""
+        n = k.shape[1]
         xp = self.runtime.backend.xp
-        idx = xp.asarray(rows) if xp is not np else rows
-        self._k[:, :, self._n:self._n + n] = k[:, idx].transpose(0, 2, 1, 3)
-        self._v[:, :, self._n:self._n + n] = v[:, idx].transpose(0, 2, 1, 3)
+        self._k[:, :, self._n:self._n + n] = k.transpose(0, 2, 1, 3)
+        self._v[:, :, self._n:self._n + n] = v.transpose(0, 2, 1, 3)
         self._kpos_host[self._n:self._n + n] = positions
         if self._kpos is not self._kpos_host:
             self._kpos[self._n:self._n + n] = xp.asarray(self._kpos_host[self._n:self._n + n])
@@ -380,7 +379,7 @@ class KVCache:
         kn, vn = split(got[:, :B * Zkv * d], d), split(got[:, B * Zkv * d:], dv)
         if xp is not np:
             kn, vn = xp.asarray(kn), xp.asarray(vn)
-        self._store(kn, vn, np.arange(len(got)), pos[order])
+        self._store(kn, vn, pos[order])
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -435,7 +434,7 @@ class KVCache:
             acc = be.acc_dtype(self.dtype)
         except ValueError:  # the call fails and says so collectively; the sizes must still agree
             acc = np.dtype(np.float32)
-        R = self.batch * T * (Z or 0)
+        R = self.batch * T * (Z or 0)  # rows of partial results
         fields = [("hdr", (4,), np.int64), ("lse", (R,), acc), ("out", (R, self.v_head_dim), acc)]
         size = nbytes(fields)
         raw = be.alloc(size * (P + 1))
@@ -449,7 +448,7 @@ class KVCache:
         send = _packet(fields, carve)
         recv_raw = raw[size:]
         parts = [_packet(fields, carve)[1] for _ in range(P)]
-        msg = (send, recv_raw, parts, R)
+        msg = (send, recv_raw, parts)
         self._message = (key, msg)
         return msg
 
@@ -520,7 +519,7 @@ class KVCache:
         gathered messages' views, None when every rank asks for the same new shape, or
         "error" (an error, different arguments, or different shapes somewhere)."""
         be, rt = self.runtime.backend, self.runtime
-        (send_raw, send), recv_raw, parts, R = self._buffers(*shape)
+        (send_raw, send), recv_raw, parts = self._buffers(*shape)
         if status == _OK:
             B, Zkv, dv = self.batch, self.kv_heads, self.v_head_dim
             g = Z // Zkv

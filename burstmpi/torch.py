@@ -16,6 +16,8 @@ Importing ``burstmpi`` never imports torch; importing this module without torch 
 ImportError that says so.
 """
 
+import contextlib
+
 try:
     import torch
 except ImportError as e:  # pragma: no cover - the message is the point
@@ -48,8 +50,6 @@ def _plan(comm, causal, window, softmax_scale, layout, bwd_comm):
 
 def _stream(t):
     """Run CuPy on ``t``'s current CUDA stream (a no-op context for CPU tensors)."""
-    import contextlib
-
     if not t.is_cuda:
         return contextlib.nullcontext()
     import cupy

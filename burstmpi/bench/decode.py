@@ -29,6 +29,8 @@ each after a barrier; one more call is checked against float64. Columns:
                           against float64 (each rank's shard in float64, merged in float64)
 """
 
+import os
+
 import numpy as np
 from mpi4py import MPI
 
@@ -195,8 +197,6 @@ def _free_bytes(dev):
     if dev.cupy is not None:
         return dev.cupy.cuda.runtime.memGetInfo()[0]
     try:
-        import os
-
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
