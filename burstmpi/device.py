@@ -8,6 +8,7 @@ allows and NCCL refuses (see ``burstmpi.nccl``).
 
 import contextlib
 import sys
+import time
 
 from mpi4py import MPI
 
@@ -86,4 +87,8 @@ def abort_on_device_error(comm):
         sys.stderr.write(f"{rank_prefix(comm)}{type(e).__name__}: {e}\n"
                          f"{rank_prefix(comm)}burstmpi: aborting the job (MPI_Abort)\n")
         sys.stderr.flush()
+        # The launcher forwards output asynchronously and MPI_Abort tears its proxies down:
+        # give it a moment, or the one line that says what went wrong can be lost (seen
+        # under load in CI: the job ended with no output at all).
+        time.sleep(0.5)
         MPI.COMM_WORLD.Abort(1)
