@@ -16,7 +16,8 @@ INSTALL_REQUIRES = [
     "click>=8.2",             # the burstmpi-bench command line
     "ml_dtypes>=0.3",         # bfloat16 as a NumPy dtype
     "array-api-compat>=1.4",  # hand results back as the caller's array type
-    "threadpoolctl>=3.0",     # bench: keep BLAS threads within the cores of each rank
+    "threadpoolctl>=3.0",     # one-threaded BLAS inside the CPU backend's tile threads
+    "numba>=0.59",            # the CPU backend's fused softmax kernels (NumPy fallback without)
 ]
 EXTRAS_REQUIRE = {
     # A pip-only MPI (wheel). Clusters keep their own MPI and leave this out.

@@ -8,8 +8,15 @@ variable                default     meaning
 ======================  ==========  ===================================================
 BURSTMPI_BACKEND        auto        ``numpy`` (CPU) or ``cuda``; ``auto`` follows the
                                     arrays' device
-BURSTMPI_TILE_Q         256         rows of Q per local tile (NumPy backend)
+BURSTMPI_TILE_Q         512         GEMM rows (query tokens x heads per KV head) per
+                                    local tile (NumPy backend)
 BURSTMPI_TILE_K         512         rows of K/V per local tile (NumPy backend)
+BURSTMPI_CPU_KERNELS    auto        the CPU backend's elementwise work: ``numba``
+                                    (compiled, fused), ``numpy`` (the pure-NumPy
+                                    fallback), ``auto`` = numba when it imports
+BURSTMPI_THREADS        0           threads per rank for the CPU backend's tiles;
+                                    ``0`` = the cores this process may use divided by
+                                    the ranks on its node (at least 1)
 BURSTMPI_CHECK          1           ``0`` leaves the argument fingerprint out of the
                                     per-call collective (which still runs: it carries
                                     every rank's local length); mismatched arguments
@@ -52,8 +59,10 @@ class Settings:
 
     def __init__(self):
         self.backend = _choice("BURSTMPI_BACKEND", "auto", {"auto", "numpy", "cuda"})
-        self.tile_q = _int("BURSTMPI_TILE_Q", 256)
+        self.tile_q = _int("BURSTMPI_TILE_Q", 512)
         self.tile_k = _int("BURSTMPI_TILE_K", 512)
+        self.cpu_kernels = _choice("BURSTMPI_CPU_KERNELS", "auto", {"auto", "numba", "numpy"})
+        self.threads = _int("BURSTMPI_THREADS", 0, minimum=0)
         self.check = _int("BURSTMPI_CHECK", 1, minimum=0) != 0
         self.cuda_aware_mpi = _int("BURSTMPI_CUDA_AWARE_MPI", 0, minimum=0) != 0
         self.nccl_timeout = float(_int("BURSTMPI_NCCL_TIMEOUT", 300))

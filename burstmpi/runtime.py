@@ -17,7 +17,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import ring
-from .backends import get_backend
+from .backends import NumpyBackend
+from .backends.threads import threads_per_rank
 from .backends.cupy_backend import CupyBackend
 from .comm import MPITransport, StagedMPITransport, private_comm
 from .config import settings
@@ -62,6 +63,7 @@ class Runtime:
         cfg = settings()
         self.backend_name = cfg.backend if backend == "auto" and cfg.backend != "auto" else backend
         self.tiles, self.check = (cfg.tile_q, cfg.tile_k), cfg.check
+        self._threads, self._cpu_kernels = cfg.threads, cfg.cpu_kernels
         self._cuda_aware, self._nccl_timeout = cfg.cuda_aware_mpi, cfg.nccl_timeout
         self.backend = None
         self.transport = MPITransport(self.comm)
@@ -91,8 +93,14 @@ class Runtime:
             if self.backend is not None:  # back from the GPU: host buffers, MPI
                 self.release()
                 self.transport = MPITransport(self.comm)
-            self.backend = get_backend("numpy")
-            self.backend.tile_q, self.backend.tile_k = self.tiles
+            threads = threads_per_rank(self.comm, self._threads)  # collective
+            error, backend = None, None
+            try:  # BURSTMPI_CPU_KERNELS=numba without numba: every rank raises
+                backend = NumpyBackend(*self.tiles, threads=threads, kernels=self._cpu_kernels)
+            except RuntimeError as e:
+                error = e
+            agree(self.comm, fn, error, [])
+            self.backend = backend
 
     def convert(self, fn, arrays):
         """The call's arrays in the backend's memory: CuPy arrays ready for the kernels on

@@ -38,6 +38,10 @@ def test_bench_table_json_and_exit_code(tmp_path):
         assert all(r["wrong"] == 0 and r["fwd_tflops"] > 0 for r in rows)
         if NRANKS > 1:
             assert rows[0]["fwd_mb_sent"] > 0
+        # The preamble names the CPU backend's kernels, its threads and the first-use cost.
+        kern = [l for l in lines if l.startswith("#  CPU kernels: ")]
+        assert len(kern) == 1 and "tile thread(s) per rank" in kern[0]
+        assert "numba" in kern[0] and " s on first use" in kern[0] or "NumPy" in kern[0]
 
 
 def _break_forward(real):

@@ -1,4 +1,4 @@
-"""The NumPy backend: FlashAttention-2 style tiled local attention on the CPU.
+"""The CPU backend ("numpy"): FlashAttention-2 style tiled local attention on host memory.
 
 Array layouts (row-major, chosen so that a tile of Q rows for one KV head is one
 contiguous matrix and a GEMM covers the whole query-head group at once):
@@ -12,17 +12,23 @@ against ``Tk`` tokens of the key side. No array larger than a tile is ever creat
 beyond the O(C * heads * d) operands, so memory is linear in the local length.
 
 Computation runs in the accumulation dtype (float32, or float64 for float64 inputs):
-tiles of float16/bfloat16 operands are converted on the fly, since NumPy has no fast
-half-precision GEMM. The running softmax state (acc, m, l) is unnormalised and lives
-across ring steps, so each step's block merges into it inside the tile loop exactly as
-FlashAttention-2 merges one K tile into the next.
+float16/bfloat16 blocks are converted once per block (each key tile is read by every
+query tile), since BLAS has no fast half-precision GEMM. The running softmax state
+(acc, m, l) is unnormalised and lives across ring steps, so each step's block merges into
+it inside the tile loop exactly as FlashAttention-2 merges one K tile into the next.
+
+The GEMMs are BLAS's; the elementwise work between them is ``self.ops``: the numba kernels
+of ``cpu_kernels`` (one fused sweep each) or their NumPy versions in ``tile_ops``
+(``BURSTMPI_CPU_KERNELS``). Work items (a query tile of one batch and KV head, or in the
+backward a band of them) run on ``threads`` threads (``threads.Workers``), each writing
+only its own rows in a fixed tile order: results are bitwise reproducible.
 """
 
 import numpy as np
 
-from ..masks import EMPTY, PARTIAL, classify_tiles, tile_mask
-from . import numpy_decode
-from .tile_ops import online_update
+from ..masks import EMPTY, PARTIAL, classify_tiles
+from . import numpy_decode, tile_ops
+from .threads import Workers
 
 __all__ = ["NumpyBackend"]
 
@@ -70,10 +76,12 @@ def _extremes(pos, tiles):
 
 
 def _tile_plan(qb, kb, tq, tk):
-    """Rows of (q tile, [(k tile, bias)]) without empty pairs; bias (0/-inf) if partial.
+    """Rows of (q tile, [(k tile, interval)]) without empty pairs.
 
     ``qb``, ``kb`` are the ``masks.Block`` of the query and key rows; positions increase
-    along both sides, so a tile's first and last rows bound its visible key intervals."""
+    along both sides, so a tile's first and last rows bound its visible key intervals,
+    and what a query token sees of a key tile is one run of its columns: ``interval`` is
+    None for a tile every row sees whole, else (jlo, jhi), the run of each token."""
     if len(qb.pos) == 0 or len(kb.pos) == 0:
         return []
     kpos = kb.pos
@@ -86,13 +94,65 @@ def _tile_plan(qb, kb, tq, tk):
         row = []
         for j in np.nonzero(cls[i] != EMPTY)[0]:
             c0, c1 = kt[j]
-            bias = None
+            iv = None
             if cls[i, j] == PARTIAL:
-                bias = np.where(tile_mask(qb.first[r0:r1], qb.last[r0:r1], kpos[c0:c1]), 0.0, -np.inf)
-            row.append((c0, c1, bias))
+                cols = kpos[c0:c1]
+                iv = (np.searchsorted(cols, qb.first[r0:r1], "left"),
+                      np.searchsorted(cols, qb.last[r0:r1], "right"))
+            row.append((c0, c1, iv))
         if row:
             plan.append((r0, r1, row))
     return plan
+
+
+def _bands(plan, count):
+    """``plan``'s rows cut into at most ``count`` contiguous bands of about equal work
+    (tile pairs), so the backward's items balance when a causal mask makes late rows
+    longer."""
+    if count <= 1 or len(plan) <= 1:
+        return [plan]
+    work = np.cumsum([len(row) for _, _, row in plan])
+    cuts = np.searchsorted(work, work[-1] * np.arange(1, count) / count, "left") + 1
+    bounds = [0] + sorted(set(int(c) for c in cuts if 0 < c < len(plan))) + [len(plan)]
+    return [plan[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _buffer(scratch, key, shape, dtype):
+    """A scratch array of ``shape`` (C-contiguous), reusing this worker's storage."""
+    size = 1
+    for n in shape:
+        size *= n
+    held = scratch.get(key)
+    if held is None or held.size < size or held.dtype != dtype:
+        held = scratch[key] = np.empty(max(size, 1), dtype)
+    return held[:size].reshape(shape)
+
+
+def _slabs_contiguous(x):
+    """Is every ``x[b, z]`` C-contiguous? The tiles that accumulate into ``x`` are reshaped
+    views of it (a copy would drop the result): a ring packet's dq, say, is strided only
+    across (batch, KV head)."""
+    want = x.itemsize
+    for n, stride in zip(x.shape[:1:-1], x.strides[:1:-1]):
+        if n > 1 and stride != want:
+            return False
+        want *= n
+    return True
+
+
+def _ops(setting):
+    """The elementwise operations for ``setting`` ("auto", "numba" or "numpy")."""
+    if setting == "numpy":
+        return tile_ops
+    try:  # numba is a dependency, but the CPU backend must work without it
+        from . import cpu_kernels
+    except ImportError as e:
+        if setting == "numba":
+            raise RuntimeError(f"BURSTMPI_CPU_KERNELS=numba: the compiled CPU kernels need numba ({e}); "
+                               "pip install numba, or set BURSTMPI_CPU_KERNELS=numpy") from None
+        return tile_ops
+    cpu_kernels.warm()  # compiled, or loaded from the disk cache, once per process
+    return cpu_kernels
 
 
 class NumpyBackend:
@@ -101,8 +161,46 @@ class NumpyBackend:
     name = "numpy"
     xp = np
 
-    def __init__(self, tile_q=256, tile_k=512):
+    def __init__(self, tile_q=512, tile_k=512, threads=1, kernels="auto"):
         self.tile_q, self.tile_k = tile_q, tile_k
+        self.ops = _ops(kernels)  # tile_ops (NumPy) or cpu_kernels (numba)
+        self.workers = Workers(threads)
+        self._full = {}
+
+    @property
+    def threads(self):
+        return self.workers.n
+
+    def _ops_for(self, cd):
+        """The compiled kernels are float32; float64 (the reference precision) stays on NumPy."""
+        return self.ops if cd == np.float32 else tile_ops
+
+    def _interval(self, ops, iv, ntok, tk):
+        """What ``ops`` wants for a tile's visible runs: the compiled kernels take arrays
+        for whole tiles too (shared and read-only), NumPy takes None."""
+        if iv is not None or ops is tile_ops:
+            return iv
+        key = (ntok, tk)
+        if key not in self._full:
+            self._full[key] = (np.zeros(ntok, np.int64), np.full(ntok, tk, np.int64))
+        return self._full[key]
+
+    def _widen(self, x, cd):
+        """``x`` in the accumulation dtype, C-contiguous: converted once per block (each of
+        its tiles is read by many items), a no-op for float32 blocks already in place."""
+        if x.dtype == cd:
+            return np.ascontiguousarray(x)
+        if cd == np.float32 and x.dtype.itemsize == 2:
+            return self._ops_for(cd).widen(x)
+        return np.ascontiguousarray(x, dtype=cd)
+
+    def _scaled(self, x, cd, sc):
+        """A new array: ``x`` times the softmax scale, in the accumulation dtype."""
+        if x.dtype == cd:
+            return np.multiply(x, sc)
+        w = self._widen(x, cd)
+        w *= sc
+        return w
 
     @staticmethod
     def alloc(nbytes):
@@ -134,24 +232,35 @@ class NumpyBackend:
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
         """Merge attention of queries ``q`` over the block (k, v) into ``state``.
 
-        ``qb``, ``kb``: the ``masks.Block`` of the query and key rows."""
+        ``qb``, ``kb``: the ``masks.Block`` of the query and key rows. One work item is a
+        query tile of one (batch, KV head) against every key tile it sees, on the workers;
+        ``poll`` runs meanwhile."""
         acc, m, l = state
         B, Zkv, C, g, d = q.shape
         dv = v.shape[-1]
         cd = acc.dtype
-        for r0, r1, row in self._plan(g, qb, kb):
+        assert all(_slabs_contiguous(x) for x in state), "fwd_block: each (batch, KV head) of the state must be C-contiguous"
+        ops, sc = self._ops_for(cd), cd.type(scale)
+        k, v = self._widen(k, cd), self._widen(v, cd)
+        plan = self._plan(g, qb, kb)
+
+        def item(it, scratch):
+            b, z, r0, r1, row = it
             n = (r1 - r0) * g
-            qt = q[:, :, r0:r1].reshape(B, Zkv, n, d).astype(cd) * cd.type(scale)
-            acc_t = acc[:, :, r0:r1].reshape(B, Zkv, n, dv)
-            m_t = m[:, :, r0:r1].reshape(B, Zkv, n)
-            l_t = l[:, :, r0:r1].reshape(B, Zkv, n)
-            for c0, c1, bias in row:
-                s = qt @ k[:, :, c0:c1].astype(cd, copy=False).swapaxes(-1, -2)
-                if bias is not None:
-                    s.reshape(B, Zkv, r1 - r0, g, c1 - c0)[...] += bias[:, None, :].astype(cd)
-                online_update(s, v[:, :, c0:c1].astype(cd, copy=False), acc_t, m_t, l_t)
-                if poll is not None:
-                    poll()
+            qt = self._scaled(q[b, z, r0:r1].reshape(n, d), cd, sc)
+            acc_t, m_t = acc[b, z, r0:r1].reshape(n, dv), m[b, z, r0:r1].reshape(n)
+            l_t = l[b, z, r0:r1].reshape(n)
+            alpha, pv = _buffer(scratch, "alpha", (n,), cd), _buffer(scratch, "pv", (n, dv), cd)
+            for c0, c1, iv in row:
+                s = _buffer(scratch, "s", (n, c1 - c0), cd)
+                np.matmul(qt, k[b, z, c0:c1].T, out=s)
+                lo_hi = self._interval(ops, iv, r1 - r0, c1 - c0)
+                ops.softmax_update(s, *(lo_hi or (None, None)), g, m_t, l_t, alpha)
+                np.matmul(s, v[b, z, c0:c1], out=pv)
+                ops.rescale_add(acc_t, alpha, pv)
+
+        items = [(b, z, r0, r1, row) for b in range(B) for z in range(Zkv) for r0, r1, row in plan]
+        self.workers.run(items, item, dict, poll)
 
     # -- decode (burstmpi.cache) --------------------------------------------------------
 
@@ -195,34 +304,57 @@ class NumpyBackend:
         exp(s - lse) is 0 there. ``dq`` accumulates dS @ K without the softmax scale
         (the owner applies it once); ``dk`` and ``dv`` are complete. ``dq=None`` or
         ``dk=dv=None`` computes only the other side's gradients (the two-way ring).
+
+        A work item is a band of query tiles of one (batch, KV head) against every key
+        tile they see: it owns its rows of ``dq``, and adds into ``dk``/``dv`` directly
+        when it is its head's only band; with fewer heads than twice the workers, a head
+        is cut into bands whose ``dk``/``dv`` partials are added afterwards in band order.
         """
         B, Zkv, C, g, d = q.shape
         dvd = v.shape[-1]
         cd = (dq if dq is not None else dk).dtype
-        sc = cd.type(scale)
-        for r0, r1, row in self._plan(g, qb, kb):
-            n = (r1 - r0) * g
-            qt = q[:, :, r0:r1].reshape(B, Zkv, n, d).astype(cd) * sc
-            dot = do[:, :, r0:r1].reshape(B, Zkv, n, dvd).astype(cd, copy=False)
-            Dt = D[:, :, r0:r1].reshape(B, Zkv, n, 1)
-            lt = lse[:, :, r0:r1].reshape(B, Zkv, n, 1)
-            dq_t = None if dq is None else dq[:, :, r0:r1].reshape(B, Zkv, n, d)
-            for c0, c1, bias in row:
-                kt = k[:, :, c0:c1].astype(cd, copy=False)
-                vt = v[:, :, c0:c1].astype(cd, copy=False)
-                p = qt @ kt.swapaxes(-1, -2)
-                if bias is not None:
-                    p.reshape(B, Zkv, r1 - r0, g, c1 - c0)[...] += bias[:, None, :].astype(cd)
-                p -= lt
-                np.exp(p, out=p)
-                if dv is not None:
-                    dv[:, :, c0:c1] += p.swapaxes(-1, -2) @ dot
-                ds = dot @ vt.swapaxes(-1, -2)
-                ds -= Dt
-                ds *= p
-                if dq_t is not None:
-                    dq_t += ds @ kt
-                if dk is not None:
-                    dk[:, :, c0:c1] += ds.swapaxes(-1, -2) @ qt
-                if poll is not None:
-                    poll()
+        ops, sc = self._ops_for(cd), cd.type(scale)
+        k, v = self._widen(k, cd), self._widen(v, cd)
+        Ck = k.shape[2]
+        assert dq is None or _slabs_contiguous(dq), "bwd_block: each (batch, KV head) of dq must be C-contiguous"
+        plan = self._plan(g, qb, kb)
+        count = -(-2 * self.workers.n // (B * Zkv)) if self.workers.n > 1 else 1
+        bands = _bands(plan, count)
+        parts = {}
+
+        def item(it, scratch):
+            b, z, i, band = it
+            if dk is None:
+                dk_h = dv_h = None
+            elif len(bands) == 1:
+                dk_h, dv_h = dk[b, z], dv[b, z]
+            else:
+                dk_h, dv_h = np.zeros((Ck, d), cd), np.zeros((Ck, dvd), cd)
+                parts[b, z, i] = dk_h, dv_h
+            for r0, r1, row in band:
+                n = (r1 - r0) * g
+                qt = self._scaled(q[b, z, r0:r1].reshape(n, d), cd, sc)
+                dot = self._widen(do[b, z, r0:r1].reshape(n, dvd), cd)
+                Dt = np.ascontiguousarray(D[b, z, r0:r1], dtype=cd).reshape(n)
+                lt = np.ascontiguousarray(lse[b, z, r0:r1], dtype=cd).reshape(n)
+                dq_t = None if dq is None else dq[b, z, r0:r1].reshape(n, d)
+                for c0, c1, iv in row:
+                    kt, vt = k[b, z, c0:c1], v[b, z, c0:c1]
+                    p = _buffer(scratch, "p", (n, c1 - c0), cd)
+                    np.matmul(qt, kt.T, out=p)
+                    ops.probs(p, *(self._interval(ops, iv, r1 - r0, c1 - c0) or (None, None)), g, lt)
+                    ds = _buffer(scratch, "ds", (n, c1 - c0), cd)
+                    np.matmul(dot, vt.T, out=ds)
+                    if dv_h is not None:
+                        dv_h[c0:c1] += np.matmul(p.T, dot, out=_buffer(scratch, "tv", (c1 - c0, dvd), cd))
+                    ops.dsoftmax(ds, p, Dt)
+                    if dq_t is not None:
+                        dq_t += np.matmul(ds, kt, out=_buffer(scratch, "tq", (n, d), cd))
+                    if dk_h is not None:
+                        dk_h[c0:c1] += np.matmul(ds.T, qt, out=_buffer(scratch, "tk", (c1 - c0, d), cd))
+
+        items = [(b, z, i, band) for b in range(B) for z in range(Zkv) for i, band in enumerate(bands) if band]
+        self.workers.run(items, item, dict, poll)
+        for (b, z, i), (dk_p, dv_p) in sorted(parts.items()):  # band order: deterministic
+            dk[b, z] += dk_p
+            dv[b, z] += dv_p

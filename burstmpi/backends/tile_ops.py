@@ -1,27 +1,83 @@
-"""The elementwise work of a NumPy tile, shared by the ring's forward and the decode.
+"""The elementwise work of a CPU tile in NumPy: the fallback and the tests' reference.
 
-Kept apart from the tile loops so that a compiled version (one fused sweep instead of
-NumPy's several passes) can replace it in one place.
+``burstmpi.backends.cpu_kernels`` has the same operations compiled with numba (one fused
+sweep each instead of NumPy's several passes); ``NumpyBackend`` uses one set or the other
+(``BURSTMPI_CPU_KERNELS`` in ``burstmpi.config``). The signatures are the compiled kernels': 2-D tiles of ``n`` rows,
+the rows of token ``r // g`` seeing the columns ``jlo[r // g] .. jhi[r // g] - 1``
+(``jlo``/``jhi`` are None for a tile every row sees whole).
+
+``online_update`` (scores already masked with -inf) is the decode's merge
+(``numpy_decode``), whose cache rows may be in any order.
 """
 
 import numpy as np
 
-__all__ = ["online_update"]
+__all__ = ["online_update", "softmax_update", "rescale_add", "probs", "dsoftmax", "widen"]
+
+name = "numpy"  # what the bench and the stats call this set of operations
+
+
+def _hide(s, jlo, jhi, g):
+    """Set the columns outside each row's visible interval to -inf."""
+    if jlo is None:
+        return
+    j = np.arange(s.shape[1])
+    lo, hi = np.repeat(jlo, g)[:, None], np.repeat(jhi, g)[:, None]
+    s[(j < lo) | (j >= hi)] = -np.inf
 
 
 def online_update(s, vt, acc, m, l):
     """Merge one tile of scores ``s`` (rows x keys, masked entries -inf; overwritten) and
     its values ``vt`` into the unnormalised running state ``acc``, ``m``, ``l`` (in place),
     as FlashAttention-2 merges one K tile into the next."""
+    alpha = np.empty_like(m)
+    _update(s, acc.dtype, m, l, alpha)
+    acc *= alpha[..., None]
+    acc += s @ vt
+
+
+def _update(s, cd, m, l, alpha):
     m_new = np.maximum(m, s.max(axis=-1))
     # A row with no visible key so far keeps m = -inf; shift it by 0 instead,
     # so exp() sees -inf - 0 = -inf (giving 0) rather than -inf - -inf = NaN.
-    m_safe = np.where(m_new == -np.inf, 0, m_new)
-    alpha = np.exp(m - m_safe)
+    m_safe = np.where(m_new == -np.inf, 0, m_new).astype(cd, copy=False)
+    alpha[...] = np.exp(m - m_safe)
     s -= m_safe[..., None]
     np.exp(s, out=s)
     l *= alpha
     l += s.sum(axis=-1)
-    acc *= alpha[..., None]
-    acc += s @ vt
     m[...] = m_new
+
+
+def softmax_update(s, jlo, jhi, g, m, l, alpha):
+    """Scores ``s`` (n x keys) become exp(s - m_new) (0 where masked); m, l updated and
+    ``alpha`` = exp(m_old - m_new), the factor the caller rescales its accumulator by."""
+    _hide(s, jlo, jhi, g)
+    _update(s, s.dtype, m, l, alpha)
+
+
+def rescale_add(acc, alpha, pv):
+    """acc = acc * alpha[:, None] + pv."""
+    acc *= alpha[:, None]
+    acc += pv
+
+
+def probs(p, jlo, jhi, g, lse):
+    """p = exp(p - lse[:, None]) on the visible columns, 0 elsewhere (lse = +inf: 0)."""
+    _hide(p, jlo, jhi, g)
+    p -= lse[:, None]
+    np.exp(p, out=p)
+
+
+def dsoftmax(ds, p, D):
+    """ds = p * (ds - D[:, None]), in place."""
+    ds -= D[:, None]
+    ds *= p
+
+
+def widen(x, out=None):
+    """``x`` (float16 or bfloat16) as float32."""
+    if out is None:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    out[...] = x
+    return out

@@ -95,6 +95,24 @@ def blas_threads(comm):
                      f"{ranks_here} ranks on rank 0's node); torch, when asked for, gets {ncores}")
 
 
+def cpu_kernels_line(comm):
+    """The CPU backend's elementwise kernels, its threads per rank, and what the first use
+    of the compiled kernels cost (compiling, or loading them from numba's disk cache)."""
+    from ..backends.numpy_backend import NumpyBackend
+    from ..backends.threads import threads_per_rank
+    from ..config import settings
+
+    cfg = settings()
+    threads = threads_per_rank(comm, cfg.threads)
+    try:
+        ops = NumpyBackend(kernels=cfg.cpu_kernels).ops
+    except RuntimeError as e:
+        return f"#  CPU kernels: unavailable ({e})"
+    how = ops.describe() if hasattr(ops, "describe") else "NumPy (BURSTMPI_CPU_KERNELS=numpy or numba missing)"
+    return (f"#  CPU kernels: {how}; {threads} tile thread(s) per rank, each with 1-threaded BLAS "
+            f"(BURSTMPI_THREADS to change)")
+
+
 def say(comm, *lines):
     if comm.Get_rank() == 0:
         for line in lines:
@@ -284,7 +302,7 @@ def sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, c
     say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {dev.backend}, {P} rank(s), "
               f"{MPI.Get_library_version().splitlines()[0].strip()}",
         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
-        threads_line, cpu_line(),
+        threads_line, *([cpu_kernels_line(comm)] if dev.backend == "numpy" else []), cpu_line(),
         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
           if who else []),
         "#")
