@@ -52,7 +52,7 @@ def _intervals(ntok, tk):
 @pytest.mark.parametrize("g", [1, 3])
 @pytest.mark.parametrize("whole", [False, True])
 def test_softmax_update_matches_numpy(g, whole):
-    ntok, tk, dv = 13, 37, 8
+    ntok, tk = 13, 37
     n = ntok * g
     lo, hi = (np.zeros(ntok, np.int64), np.full(ntok, tk, np.int64)) if whole else _intervals(ntok, tk)
     s0 = (RNG.standard_normal((n, tk)) * 4).astype(np.float32)

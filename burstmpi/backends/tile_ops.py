@@ -2,9 +2,10 @@
 
 ``burstmpi.backends.cpu_kernels`` has the same operations compiled with numba (one fused
 sweep each instead of NumPy's several passes); ``NumpyBackend`` uses one set or the other
-(``BURSTMPI_CPU_KERNELS`` in ``burstmpi.config``). The signatures are the compiled kernels': 2-D tiles of ``n`` rows,
-the rows of token ``r // g`` seeing the columns ``jlo[r // g] .. jhi[r // g] - 1``
-(``jlo``/``jhi`` are None for a tile every row sees whole).
+(``BURSTMPI_CPU_KERNELS`` in ``burstmpi.config``). The signatures are the compiled
+kernels': 2-D tiles of ``n`` rows, the rows of token ``r // g`` seeing the columns
+``jlo[r // g] .. jhi[r // g] - 1`` (``jlo``/``jhi`` are None for a tile every row sees
+whole).
 
 ``online_update`` (scores already masked with -inf) is the decode's merge
 (``numpy_decode``), whose cache rows may be in any order.
