@@ -15,12 +15,5 @@ from .cupy_backend import CupyBackend
 from .kernel_backend import KernelBackend
 from .numpy_backend import NumpyBackend
 
-__all__ = ["NumpyBackend", "KernelBackend", "CupyBackend", "get_backend"]
+__all__ = ["NumpyBackend", "KernelBackend", "CupyBackend"]
 
-
-def get_backend(name):
-    """Return a fresh backend called ``name``: "numpy". (The "cuda" backend is bound to a
-    device and a communicator; ``BurstAttention`` builds it.)"""
-    if name == "numpy":
-        return NumpyBackend()
-    raise ValueError(f"backend: expected 'numpy' here ('cuda' is set up by BurstAttention), got {name!r}")

@@ -92,6 +92,7 @@ def fexp(x):
 # read from an array is non-negative, adds negative-index wraparound to every access,
 # and LLVM then leaves the loop scalar (6x slower, measured).
 
+
 @njit(nogil=True, fastmath=_FM, cache=True)
 def softmax_update(s, jlo, jhi, g, m, l, alpha):
     """Rows ``r`` of ``s`` (n x keys; token r // g sees columns jlo..jhi-1): masked
@@ -120,6 +121,7 @@ def softmax_update(s, jlo, jhi, g, m, l, alpha):
         m[r] = m_new
         alpha[r] = al
 
+
 @njit(nogil=True, fastmath=_FM, cache=True)
 def rescale_add(acc, alpha, pv):
     """acc = acc * alpha[:, None] + pv (n x dv)."""
@@ -128,6 +130,7 @@ def rescale_add(acc, alpha, pv):
         a = alpha[r]
         for j in range(dv):
             acc[r, j] = acc[r, j] * a + pv[r, j]
+
 
 @njit(nogil=True, fastmath=_FM, cache=True)
 def probs(p, jlo, jhi, g, lse):
@@ -143,6 +146,7 @@ def probs(p, jlo, jhi, g, lse):
         p[r, :a] = _ZERO
         p[r, b:] = _ZERO
 
+
 @njit(nogil=True, fastmath=_FM, cache=True)
 def dsoftmax(ds, p, D):
     """ds = p * (ds - D[:, None]): dS from dP, in place."""
@@ -152,10 +156,12 @@ def dsoftmax(ds, p, D):
         for j in range(tk):
             ds[r, j] = p[r, j] * (ds[r, j] - d)
 
+
 @njit(nogil=True, fastmath=_FM, cache=True)
 def _widen_bf16(src, out):
     for i in range(src.size):
         out[i] = _f32_from_bits(np.int32(src[i]) << np.int32(16))
+
 
 @intrinsic
 def _bits_of_f32(typingctx, x):
@@ -166,6 +172,7 @@ def _bits_of_f32(typingctx, x):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return sig, codegen
+
 
 @njit(nogil=True, fastmath=_FM, cache=True)
 def _widen_f16(src, out):
