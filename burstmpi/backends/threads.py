@@ -20,10 +20,11 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from mpi4py import MPI
 
-__all__ = ["Workers", "threads_per_rank", "one_blas_thread"]
+__all__ = ["Workers", "cores", "threads_per_rank", "one_blas_thread"]
 
 
-def _cores():
+def cores():
+    """The cores this process may use (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -35,7 +36,7 @@ def threads_per_rank(comm, setting=0):
         here = node.Get_size()
     finally:
         node.Free()
-    return setting if setting > 0 else max(1, _cores() // here)
+    return setting if setting > 0 else max(1, cores() // here)
 
 
 _blas = None

@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__, regress
+from ..backends.threads import cores
 from ..interop import bfloat16
 
 __all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
@@ -68,10 +69,6 @@ def parse_window(ctx, param, value):
 
 def choices(value, allowed):
     return list(allowed) if value == "all" else [value]
-
-
-def cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def blas_threads(comm):
