@@ -82,6 +82,7 @@ class MPITransport:
     def progress(requests):
         # Without an asynchronous progress thread MPI moves a large message only inside
         # MPI calls, so the compute loop pokes it between tiles to keep the overlap real.
+        # True once all are complete.
         return MPI.Request.Testall(requests)
 
 
@@ -207,8 +208,11 @@ class Channel:
         self._pending = (reqs, recv)
 
     def progress(self):
+        """Move the posted transfers along; True while some are still in flight (the
+        caller's cue to call again), False once none are (or the transport needs no help)."""
         if self._pending and self._pending[0]:
-            self.transport.progress(self._pending[0])
+            return not self.transport.progress(self._pending[0])
+        return False
 
     def wait(self):
         """Wait for the posted transfers; a received packet becomes current."""

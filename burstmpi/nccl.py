@@ -163,7 +163,7 @@ class NCCLTransport:
 
     @staticmethod
     def progress(requests):
-        return False  # NCCL progresses on its own
+        return True  # NCCL progresses on its own: nothing for the host to poll
 
     def allgather(self, send, recv):
         """Every rank's ``send`` bytes into ``recv`` on the comm stream, ordered after the

@@ -268,7 +268,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
         if sched.compute[t]:
             timer.run("compute", be.bwd_block, qs["q"], qs["do"], qs["D"], qs["lse"],
                       ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
-                      qb, kb, plan.scale, poll=lambda: (chan.progress(), part.progress()))
+                      qb, kb, plan.scale, poll=lambda: any([chan.progress(), part.progress()]))
         if t > 0 and sched.partial_recv[t]:
             for name, view in timer.run("wait", part.received).items():
                 target[name] += view[:, :, :n]

@@ -114,7 +114,7 @@ def forward(plan, q, k, v, dims):
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.query_block(plan.rank)
     owners = []
-    poll = lambda: (up.progress(), down.progress())
+    poll = lambda: any([up.progress(), down.progress()])
 
     def block(ks, kb, owner):
         owners.append(owner)
@@ -160,7 +160,7 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     qb_home, kb_home = geo.query_block(plan.rank), geo.key_block(plan.rank)
     owners, pairs = [], 0
     chans = (kvu, kvd, qu, qd)
-    poll = lambda: [c.progress() for c in chans]
+    poll = lambda: any([c.progress() for c in chans])
 
     def run(qs, ks, dq, dk, dv_, qb, kb):
         timer.run("compute", be.bwd_block, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],

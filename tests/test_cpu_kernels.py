@@ -26,17 +26,20 @@ RNG = np.random.default_rng(7)
 
 def test_exp_is_float32_exact_where_softmax_sees_it():
     """``probs`` with lse = 0 is exp(x): relative error within 4e-7 (a few float32 ulp) on [-87, 0]
-    (and just above 0, where rounding can put a score over the row max), exactly 0 below
-    -87 and for -inf."""
+    (and just above 0, where rounding can put a score over the row max); below -87 at most
+    e^-87 (nothing beside a row sum of at least 1); exactly 0 for a row that sees no key
+    (lse = +inf) and outside the visible run. ``fexp`` itself is exactly 0 below -87."""
     x = np.concatenate([np.linspace(-87, 0, 1_000_003), np.linspace(0, 1e-3, 1001)]).astype(np.float32)
     p = x.reshape(1, -1).copy()
     ck.probs(p, np.zeros(1, np.int64), np.full(1, x.size, np.int64), 1, np.zeros(1, np.float32))
     exact = np.exp(x.astype(np.float64))
     rel = np.abs(p[0] - exact) / exact
     assert rel.max() < 4e-7, rel.max()
-    tiny = np.array([[-87.5, -100.0, -1e30, -np.inf]], np.float32)
-    ck.probs(tiny, np.zeros(1, np.int64), np.full(1, 4, np.int64), 1, np.zeros(1, np.float32))
-    assert (tiny == 0).all()
+    tiny = np.array([[-87.5, -100.0, -1e30, 3.0], [1.0, 2.0, 3.0, 4.0]], np.float32)
+    ck.probs(tiny, np.zeros(2, np.int64), np.array([3, 4], np.int64), 1, np.array([0, np.inf], np.float32))
+    assert (0 <= tiny[0, :3]).all() and (tiny[0, :3] <= 1.7e-38).all(), tiny
+    assert tiny[0, 3] == 0 and (tiny[1] == 0).all(), tiny
+    assert [ck.fexp(np.float32(v)) for v in (-87.5, -100.0, -1e30, -np.inf)] == [0, 0, 0, 0]
 
 
 def _intervals(ntok, tk):
@@ -95,11 +98,84 @@ def test_backward_kernels_match_numpy():
     ck.dsoftmax(ds, p, D)
     tile_ops.dsoftmax(ds_np, p, D)
     np.testing.assert_allclose(ds, ds_np, rtol=1e-6, atol=1e-30)
-    acc0, alpha, pv = (RNG.standard_normal(s).astype(np.float32) for s in ((n, 16), n, (n, 16)))
-    acc, acc_np = acc0.copy(), acc0.copy()
-    ck.rescale_add(acc, alpha, pv)
-    tile_ops.rescale_add(acc_np, alpha, pv)
-    np.testing.assert_allclose(acc, acc_np, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_row_loops_match_numpy(g):
+    """``cpu_tiles.fwd_row`` / ``bwd_row`` (BLAS called from compiled code, alpha and beta
+    doing the scale and the accumulation) against ``tile_ops``': whole and partial key tiles
+    of unequal widths, GQA rows, a running state carried in, each side's gradients skipped."""
+    ct = pytest.importorskip("burstmpi.backends.cpu_tiles", reason="no sgemm to call from compiled code")
+    ntok, d, dv, Ck = 11, 24, 20, 70
+    n = ntok * g
+    q, do = (RNG.standard_normal((n, x)).astype(np.float32) for x in (d, dv))
+    k, v = (RNG.standard_normal((Ck, x)).astype(np.float32) for x in (d, dv))
+    c0, c1 = np.array([0, 32, 50], np.int64), np.array([32, 50, 70], np.int64)
+    iv = np.array([-1, 0, 1], np.int64)
+    runs = [_intervals(ntok, 18), _intervals(ntok, 20)]
+    lo, hi = np.stack([a for a, _ in runs]), np.stack([b for _, b in runs])
+    tiles, scale = (c0, c1, iv, lo, hi), 0.3
+    m0 = np.where(RNG.random(n) < 0.3, -np.inf, RNG.standard_normal(n)).astype(np.float32)
+    state0 = (RNG.standard_normal((n, dv)).astype(np.float32) * (m0 > -np.inf)[:, None], m0,
+              np.where(m0 == -np.inf, 0, RNG.random(n) + 0.5).astype(np.float32))
+    got = {}
+    for ops in (ct, tile_ops):
+        acc, m, l = (x.copy() for x in state0)
+        ops.fwd_row(q, k, v, *tiles, g, scale, acc, m, l, np.zeros(n * 32, np.float32), np.zeros(n, np.float32))
+        got[ops] = acc, m, l
+    for a, b in zip(got[ct], got[tile_ops]):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+    D = RNG.standard_normal(n).astype(np.float32)
+    lse = (got[ct][1] + np.log(np.maximum(got[ct][2], 1e-30))).astype(np.float32)
+    lse[2] = np.inf  # a row that sees no key
+    for sides in ((True, True), (True, False), (False, True)):
+        grads = {}
+        for ops in (ct, tile_ops):
+            dq = np.ones((n, d), np.float32) if sides[0] else None
+            dk, dvv = (np.ones((Ck, x), np.float32) for x in (d, dv)) if sides[1] else (None, None)
+            ops.bwd_row(q, do, D, lse, k, v, *tiles, g, scale, dq, dk, dvv,
+                        np.zeros(n * 32, np.float32), np.zeros(n * 32, np.float32))
+            grads[ops] = dq, dk, dvv
+        for a, b in zip(grads[ct], grads[tile_ops]):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+        if sides[0]:
+            assert (grads[ct][0][2] == 1).all()  # row 2: lse +inf, no gradient
+    with pytest.raises(ValueError, match="k must be a C-contiguous float32 array"):
+        ct.fwd_row(q, k[:, ::2], v, *tiles, g, scale, *(x.copy() for x in state0), np.zeros(n * 32, np.float32),
+                   np.zeros(n, np.float32))
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_row_loops_band_partial_tiles(g):
+    """Partly visible tiles of more than one band (128 GEMM rows) run band by band over
+    the columns each band sees: a causal diagonal, a window's band, and tokens that see
+    nothing of the tile (a whole band skipped); against ``tile_ops``, forward and backward."""
+    ct = pytest.importorskip("burstmpi.backends.cpu_tiles", reason="no sgemm to call from compiled code")
+    ntok, w, d = 300, 300, 16
+    n = ntok * g
+    t = np.arange(ntok)
+    runs = [(np.zeros(ntok), t + 1), (np.maximum(0, t - 40), t + 1),
+            (np.where(t < 140, 0, t - 100), np.where(t < 140, 0, t - 60))]
+    lo = np.stack([a for a, _ in runs]).astype(np.int64)
+    hi = np.stack([b for _, b in runs]).astype(np.int64)
+    assert len(ct._bands(lo[0], hi[0], g, w)) > 1 and len(ct._bands(lo[2], hi[2], g, w)) < -(-n // 128)
+    q, do = (RNG.standard_normal((n, d)).astype(np.float32) for _ in range(2))
+    k, v = (RNG.standard_normal((3 * w, d)).astype(np.float32) for _ in range(2))
+    c0 = np.array([0, w, 2 * w], np.int64)
+    tiles = (c0, c0 + w, np.arange(3, dtype=np.int64), lo, hi)
+    got = {}
+    for ops in (ct, tile_ops):
+        acc, m, l = np.zeros((n, d), np.float32), np.full(n, -np.inf, np.float32), np.zeros(n, np.float32)
+        ops.fwd_row(q, k, v, *tiles, g, 0.25, acc, m, l, np.zeros(n * w, np.float32), np.zeros(n, np.float32))
+        lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), np.inf).astype(np.float32)
+        grads = [np.zeros((n, d), np.float32), np.zeros((3 * w, d), np.float32), np.zeros((3 * w, d), np.float32)]
+        ops.bwd_row(q, do, (do * acc).sum(axis=1), lse, k, v, *tiles, g, 0.25, *grads,
+                    np.zeros(n * w, np.float32), np.zeros(n * w, np.float32))
+        got[ops] = (acc, m, l, *grads)
+    for a, b in zip(got[ct], got[tile_ops]):
+        np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-5)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
@@ -163,19 +239,37 @@ def test_deterministic_and_inputs_unchanged(kernels, monkeypatch):
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
+def _forget(monkeypatch, *modules):
+    for mod in modules:
+        monkeypatch.delitem(sys.modules, f"burstmpi.backends.{mod}", raising=False)
+        monkeypatch.delattr(sys.modules["burstmpi.backends"], mod, raising=False)
+
+
 def test_fallback_without_numba(monkeypatch):
     """Without numba "auto" runs on NumPy and "numba" is a clear error (on every rank:
     the runtime agrees on it before going on)."""
     monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
-    monkeypatch.delitem(sys.modules, "burstmpi.backends.cpu_kernels")
-    monkeypatch.delattr(sys.modules["burstmpi.backends"], "cpu_kernels", raising=False)
+    _forget(monkeypatch, "cpu_kernels", "cpu_tiles")
     assert NumpyBackend(kernels="auto").ops is tile_ops
-    with pytest.raises(RuntimeError, match="BURSTMPI_CPU_KERNELS=numba: the compiled CPU kernels need numba"):
+    with pytest.raises(RuntimeError, match="BURSTMPI_CPU_KERNELS=numba: the compiled CPU tile loops are unavailable"):
         NumpyBackend(kernels="numba")
     monkeypatch.setenv("BURSTMPI_CPU_KERNELS", "numba")
     q = np.zeros((1, 4, 2, 8), np.float32)
     with pytest.raises(RuntimeError, match="pip install numba, or set BURSTMPI_CPU_KERNELS=numpy"):
         burstmpi.BurstAttention().forward(q, q, q)
+
+
+def test_fallback_without_sgemm(monkeypatch):
+    """No BLAS sgemm to call from compiled code (a BLAS without cblas, say): "auto" runs the
+    NumPy loops, "numba" says why it cannot."""
+    from burstmpi.backends import cpu_blas
+
+    monkeypatch.setattr(cpu_blas, "sgemm", None)
+    monkeypatch.setattr(cpu_blas, "_why", "no cblas_sgemm found in the loaded BLAS libraries (test)")
+    _forget(monkeypatch, "cpu_tiles")
+    assert NumpyBackend(kernels="auto").ops is tile_ops
+    with pytest.raises(RuntimeError, match=r"need BLAS's sgemm: no cblas_sgemm found .*\(test\)"):
+        NumpyBackend(kernels="numba")
 
 
 def test_settings_name_the_variable(monkeypatch):
@@ -223,9 +317,9 @@ def test_workers_run_every_item_once_poll_and_raise():
 
 
 def test_bands_cut_work_evenly_and_in_order():
-    plan = [(i, i + 1, [None] * (i + 1)) for i in range(10)]  # causal: row i has i + 1 tiles
+    plan = [(i, i + 1, (np.zeros(i + 1),)) for i in range(10)]  # causal: row i has i + 1 tiles
     bands = _bands(plan, 4)
     assert [r for band in bands for r in band] == plan and 2 <= len(bands) <= 4
-    work = [sum(len(row) for _, _, row in band) for band in bands]
+    work = [sum(len(tiles[0]) for _, _, tiles in band) for band in bands]
     assert max(work) <= 2 * sum(work) / len(bands)
     assert _bands(plan, 1) == [plan]

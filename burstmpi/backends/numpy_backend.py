@@ -17,11 +17,13 @@ query tile), since BLAS has no fast half-precision GEMM. The running softmax sta
 (acc, m, l) is unnormalised and lives across ring steps, so each step's block merges into
 it inside the tile loop exactly as FlashAttention-2 merges one K tile into the next.
 
-The GEMMs are BLAS's; the elementwise work between them is ``self.ops``: the numba kernels
-of ``cpu_kernels`` (one fused sweep each) or their NumPy versions in ``tile_ops``
-(``BURSTMPI_CPU_KERNELS``). Work items (a query tile of one batch and KV head, or in the
-backward a band of them) run on ``threads`` threads (``threads.Workers``), each writing
-only its own rows in a fixed tile order: results are bitwise reproducible.
+The GEMMs are BLAS's. A query tile's loop over its key tiles is ``self.ops``'s
+``fwd_row`` / ``bwd_row``: compiled with numba in ``cpu_tiles`` (BLAS called from machine
+code, fused elementwise sweeps between the GEMMs) or in NumPy in ``tile_ops``
+(``BURSTMPI_CPU_KERNELS``); this module plans the tiles and hands them out. Work items (a
+query tile of one batch and KV head, or in the backward a band of them) run on
+``threads`` threads (``threads.Workers``), each writing only its own rows in a fixed tile
+order: results are bitwise reproducible.
 """
 
 import numpy as np
@@ -76,12 +78,14 @@ def _extremes(pos, tiles):
 
 
 def _tile_plan(qb, kb, tq, tk):
-    """Rows of (q tile, [(k tile, interval)]) without empty pairs.
+    """Rows of (r0, r1, tiles) without empty pairs: query tile r0..r1-1 and the key tiles
+    it sees, as the tile loops take them (``tile_ops.fwd_row``): tiles = (c0, c1, iv, lo,
+    hi), key tile t being columns c0[t]..c1[t]-1, iv[t] -1 where every row sees it whole,
+    else the row of (lo, hi) holding each query token's visible run of its columns.
 
     ``qb``, ``kb`` are the ``masks.Block`` of the query and key rows; positions increase
     along both sides, so a tile's first and last rows bound its visible key intervals,
-    and what a query token sees of a key tile is one run of its columns: ``interval`` is
-    None for a tile every row sees whole, else (jlo, jhi), the run of each token."""
+    and what a query token sees of a key tile is one run of its columns."""
     if len(qb.pos) == 0 or len(kb.pos) == 0:
         return []
     kpos = kb.pos
@@ -89,19 +93,19 @@ def _tile_plan(qb, kb, tq, tk):
     r0s, r1s = np.array([a for a, _ in qt]), np.array([b - 1 for _, b in qt])
     kmin, kmax = _extremes(kpos, kt)
     cls = classify_tiles(qb.first[r0s], qb.first[r1s], qb.last[r0s], qb.last[r1s], kmin, kmax)
+    bounds = np.array(kt, np.int64).reshape(-1, 2)
     plan = []
     for i, (r0, r1) in enumerate(qt):
-        row = []
-        for j in np.nonzero(cls[i] != EMPTY)[0]:
-            c0, c1 = kt[j]
-            iv = None
-            if cls[i, j] == PARTIAL:
-                cols = kpos[c0:c1]
-                iv = (np.searchsorted(cols, qb.first[r0:r1], "left"),
-                      np.searchsorted(cols, qb.last[r0:r1], "right"))
-            row.append((c0, c1, iv))
-        if row:
-            plan.append((r0, r1, row))
+        js = np.nonzero(cls[i] != EMPTY)[0]
+        if len(js) == 0:
+            continue
+        partial = cls[i, js] == PARTIAL
+        iv = np.where(partial, np.cumsum(partial) - 1, -1).astype(np.int64)
+        runs = [(np.searchsorted(kpos[c0:c1], qb.first[r0:r1], "left"),
+                 np.searchsorted(kpos[c0:c1], qb.last[r0:r1], "right")) for c0, c1 in bounds[js[partial]]]
+        lo = np.array([a for a, _ in runs], np.int64).reshape(len(runs), r1 - r0)
+        hi = np.array([b for _, b in runs], np.int64).reshape(len(runs), r1 - r0)
+        plan.append((r0, r1, (bounds[js, 0].copy(), bounds[js, 1].copy(), iv, lo, hi)))
     return plan
 
 
@@ -111,7 +115,7 @@ def _bands(plan, count):
     longer."""
     if count <= 1 or len(plan) <= 1:
         return [plan]
-    work = np.cumsum([len(row) for _, _, row in plan])
+    work = np.cumsum([len(tiles[0]) for _, _, tiles in plan])
     cuts = np.searchsorted(work, work[-1] * np.arange(1, count) / count, "left") + 1
     bounds = [0] + sorted(set(int(c) for c in cuts if 0 < c < len(plan))) + [len(plan)]
     return [plan[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -141,18 +145,18 @@ def _slabs_contiguous(x):
 
 
 def _ops(setting):
-    """The elementwise operations for ``setting`` ("auto", "numba" or "numpy")."""
+    """The tile loops for ``setting`` ("auto", "numba" or "numpy")."""
     if setting == "numpy":
         return tile_ops
     try:  # numba is a dependency, but the CPU backend must work without it
-        from . import cpu_kernels
+        from . import cpu_tiles
     except ImportError as e:
         if setting == "numba":
-            raise RuntimeError(f"BURSTMPI_CPU_KERNELS=numba: the compiled CPU kernels need numba ({e}); "
+            raise RuntimeError(f"BURSTMPI_CPU_KERNELS=numba: the compiled CPU tile loops are unavailable ({e}); "
                                "pip install numba, or set BURSTMPI_CPU_KERNELS=numpy") from None
         return tile_ops
-    cpu_kernels.warm()  # compiled, or loaded from the disk cache, once per process
-    return cpu_kernels
+    cpu_tiles.warm()  # compiled, or loaded from the disk cache, once per process
+    return cpu_tiles
 
 
 class NumpyBackend:
@@ -163,27 +167,16 @@ class NumpyBackend:
 
     def __init__(self, tile_q=512, tile_k=512, threads=1, kernels="auto"):
         self.tile_q, self.tile_k = tile_q, tile_k
-        self.ops = _ops(kernels)  # tile_ops (NumPy) or cpu_kernels (numba)
+        self.ops = _ops(kernels)  # tile_ops (NumPy) or cpu_tiles (numba)
         self.workers = Workers(threads)
-        self._full = {}
 
     @property
     def threads(self):
         return self.workers.n
 
     def _ops_for(self, cd):
-        """The compiled kernels are float32; float64 (the reference precision) stays on NumPy."""
+        """The compiled loops are float32; float64 (the reference precision) stays on NumPy."""
         return self.ops if cd == np.float32 else tile_ops
-
-    def _interval(self, ops, iv, ntok, tk):
-        """What ``ops`` wants for a tile's visible runs: the compiled kernels take arrays
-        for whole tiles too (shared and read-only), NumPy takes None."""
-        if iv is not None or ops is tile_ops:
-            return iv
-        key = (ntok, tk)
-        if key not in self._full:
-            self._full[key] = (np.zeros(ntok, np.int64), np.full(ntok, tk, np.int64))
-        return self._full[key]
 
     def _widen(self, x, cd):
         """``x`` in the accumulation dtype, C-contiguous: converted once per block (each of
@@ -193,14 +186,6 @@ class NumpyBackend:
         if cd == np.float32 and x.dtype.itemsize == 2:
             return self._ops_for(cd).widen(x)
         return np.ascontiguousarray(x, dtype=cd)
-
-    def _scaled(self, x, cd, sc):
-        """A new array: ``x`` times the softmax scale, in the accumulation dtype."""
-        if x.dtype == cd:
-            return np.multiply(x, sc)
-        w = self._widen(x, cd)
-        w *= sc
-        return w
 
     @staticmethod
     def alloc(nbytes):
@@ -240,26 +225,19 @@ class NumpyBackend:
         dv = v.shape[-1]
         cd = acc.dtype
         assert all(_slabs_contiguous(x) for x in state), "fwd_block: each (batch, KV head) of the state must be C-contiguous"
-        ops, sc = self._ops_for(cd), cd.type(scale)
+        ops = self._ops_for(cd)
         k, v = self._widen(k, cd), self._widen(v, cd)
         plan = self._plan(g, qb, kb)
+        width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
 
         def item(it, scratch):
-            b, z, r0, r1, row = it
+            b, z, r0, r1, tiles = it
             n = (r1 - r0) * g
-            qt = self._scaled(q[b, z, r0:r1].reshape(n, d), cd, sc)
-            acc_t, m_t = acc[b, z, r0:r1].reshape(n, dv), m[b, z, r0:r1].reshape(n)
-            l_t = l[b, z, r0:r1].reshape(n)
-            alpha, pv = _buffer(scratch, "alpha", (n,), cd), _buffer(scratch, "pv", (n, dv), cd)
-            for c0, c1, iv in row:
-                s = _buffer(scratch, "s", (n, c1 - c0), cd)
-                np.matmul(qt, k[b, z, c0:c1].T, out=s)
-                lo_hi = self._interval(ops, iv, r1 - r0, c1 - c0)
-                ops.softmax_update(s, *(lo_hi or (None, None)), g, m_t, l_t, alpha)
-                np.matmul(s, v[b, z, c0:c1], out=pv)
-                ops.rescale_add(acc_t, alpha, pv)
+            ops.fwd_row(self._widen(q[b, z, r0:r1].reshape(n, d), cd), k[b, z], v[b, z], *tiles, g, scale,
+                        acc[b, z, r0:r1].reshape(n, dv), m[b, z, r0:r1].reshape(n), l[b, z, r0:r1].reshape(n),
+                        _buffer(scratch, "s", (n * width,), cd), _buffer(scratch, "alpha", (n,), cd))
 
-        items = [(b, z, r0, r1, row) for b in range(B) for z in range(Zkv) for r0, r1, row in plan]
+        items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in plan]
         self.workers.run(items, item, dict, poll)
 
     # -- decode (burstmpi.cache) --------------------------------------------------------
@@ -313,11 +291,13 @@ class NumpyBackend:
         B, Zkv, C, g, d = q.shape
         dvd = v.shape[-1]
         cd = (dq if dq is not None else dk).dtype
-        ops, sc = self._ops_for(cd), cd.type(scale)
+        ops = self._ops_for(cd)
         k, v = self._widen(k, cd), self._widen(v, cd)
         Ck = k.shape[2]
-        assert dq is None or _slabs_contiguous(dq), "bwd_block: each (batch, KV head) of dq must be C-contiguous"
+        assert all(x is None or _slabs_contiguous(x) for x in (dq, dk, dv)), \
+            "bwd_block: each (batch, KV head) of dq, dk and dv must be C-contiguous"
         plan = self._plan(g, qb, kb)
+        width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
         count = -(-2 * self.workers.n // (B * Zkv)) if self.workers.n > 1 else 1
         bands = _bands(plan, count)
         parts = {}
@@ -331,27 +311,15 @@ class NumpyBackend:
             else:
                 dk_h, dv_h = np.zeros((Ck, d), cd), np.zeros((Ck, dvd), cd)
                 parts[b, z, i] = dk_h, dv_h
-            for r0, r1, row in band:
+            for r0, r1, tiles in band:
                 n = (r1 - r0) * g
-                qt = self._scaled(q[b, z, r0:r1].reshape(n, d), cd, sc)
-                dot = self._widen(do[b, z, r0:r1].reshape(n, dvd), cd)
-                Dt = np.ascontiguousarray(D[b, z, r0:r1], dtype=cd).reshape(n)
-                lt = np.ascontiguousarray(lse[b, z, r0:r1], dtype=cd).reshape(n)
-                dq_t = None if dq is None else dq[b, z, r0:r1].reshape(n, d)
-                for c0, c1, iv in row:
-                    kt, vt = k[b, z, c0:c1], v[b, z, c0:c1]
-                    p = _buffer(scratch, "p", (n, c1 - c0), cd)
-                    np.matmul(qt, kt.T, out=p)
-                    ops.probs(p, *(self._interval(ops, iv, r1 - r0, c1 - c0) or (None, None)), g, lt)
-                    ds = _buffer(scratch, "ds", (n, c1 - c0), cd)
-                    np.matmul(dot, vt.T, out=ds)
-                    if dv_h is not None:
-                        dv_h[c0:c1] += np.matmul(p.T, dot, out=_buffer(scratch, "tv", (c1 - c0, dvd), cd))
-                    ops.dsoftmax(ds, p, Dt)
-                    if dq_t is not None:
-                        dq_t += np.matmul(ds, kt, out=_buffer(scratch, "tq", (n, d), cd))
-                    if dk_h is not None:
-                        dk_h[c0:c1] += np.matmul(ds.T, qt, out=_buffer(scratch, "tk", (c1 - c0, d), cd))
+                ops.bwd_row(self._widen(q[b, z, r0:r1].reshape(n, d), cd),
+                            self._widen(do[b, z, r0:r1].reshape(n, dvd), cd),
+                            np.ascontiguousarray(D[b, z, r0:r1], dtype=cd).reshape(n),
+                            np.ascontiguousarray(lse[b, z, r0:r1], dtype=cd).reshape(n),
+                            k[b, z], v[b, z], *tiles, g, scale,
+                            None if dq is None else dq[b, z, r0:r1].reshape(n, d), dk_h, dv_h,
+                            _buffer(scratch, "p", (n * width,), cd), _buffer(scratch, "ds", (n * width,), cd))
 
         items = [(b, z, i, band) for b in range(B) for z in range(Zkv) for i, band in enumerate(bands) if band]
         self.workers.run(items, item, dict, poll)

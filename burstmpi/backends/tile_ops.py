@@ -7,13 +7,18 @@ kernels': 2-D tiles of ``n`` rows, the rows of token ``r // g`` seeing the colum
 ``jlo[r // g] .. jhi[r // g] - 1`` (``jlo``/``jhi`` are None for a tile every row sees
 whole).
 
+``fwd_row`` and ``bwd_row`` are a query tile's loop over its key tiles, with
+``np.matmul`` for the GEMMs; ``cpu_tiles`` has them compiled, with the same signatures
+(documented there). Any float dtype: float64 inputs, the reference precision, always run
+here.
+
 ``online_update`` (scores already masked with -inf) is the decode's merge
 (``numpy_decode``), whose cache rows may be in any order.
 """
 
 import numpy as np
 
-__all__ = ["online_update", "softmax_update", "rescale_add", "probs", "dsoftmax", "widen"]
+__all__ = ["fwd_row", "bwd_row", "online_update", "softmax_update", "rescale_add", "probs", "dsoftmax", "widen"]
 
 name = "numpy"  # what the bench and the stats call this set of operations
 
@@ -82,3 +87,38 @@ def widen(x, out=None):
         return np.ascontiguousarray(x, dtype=np.float32)
     out[...] = x
     return out
+
+
+def _runs(t, iv, lo, hi):
+    return (None, None) if iv[t] < 0 else (lo[iv[t]], hi[iv[t]])
+
+
+def fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, s, alpha):
+    """One query tile over its key tiles, merged into (acc, m, l) in place."""
+    n, cd = q.shape[0], acc.dtype
+    qs = q * cd.type(scale)
+    for t in range(len(c0)):
+        a, b = c0[t], c1[t]
+        st = s[:n * (b - a)].reshape(n, b - a)
+        np.matmul(qs, k[a:b].T, out=st)
+        softmax_update(st, *_runs(t, iv, lo, hi), g, m, l, alpha)
+        rescale_add(acc, alpha, st @ v[a:b])
+
+
+def bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, p, ds):
+    """One query tile's gradients over its key tiles, added into dq, dk, dv (None: skipped)."""
+    n = q.shape[0]
+    qs = q * q.dtype.type(scale)
+    for t in range(len(c0)):
+        a, b = c0[t], c1[t]
+        pt, dst = p[:n * (b - a)].reshape(n, b - a), ds[:n * (b - a)].reshape(n, b - a)
+        np.matmul(qs, k[a:b].T, out=pt)
+        probs(pt, *_runs(t, iv, lo, hi), g, lse)
+        np.matmul(do, v[a:b].T, out=dst)
+        if dv is not None:
+            dv[a:b] += pt.T @ do
+        dsoftmax(dst, pt, D)
+        if dq is not None:
+            dq += dst @ k[a:b]
+        if dk is not None:
+            dk[a:b] += dst.T @ qs

@@ -93,8 +93,8 @@ def blas_threads(comm):
 
 
 def cpu_kernels_line(comm):
-    """The CPU backend's elementwise kernels, its threads per rank, and what the first use
-    of the compiled kernels cost (compiling, or loading them from numba's disk cache)."""
+    """The CPU backend's tile loops (compiled, and over which sgemm, or NumPy's), its threads
+    per rank, and what their first use cost (compiling, or loading from numba's disk cache)."""
     from ..backends.numpy_backend import NumpyBackend
     from ..backends.threads import threads_per_rank
     from ..config import settings
@@ -105,7 +105,8 @@ def cpu_kernels_line(comm):
         ops = NumpyBackend(kernels=cfg.cpu_kernels).ops
     except RuntimeError as e:
         return f"#  CPU kernels: unavailable ({e})"
-    how = ops.describe() if hasattr(ops, "describe") else "NumPy (BURSTMPI_CPU_KERNELS=numpy or numba missing)"
+    how = ops.describe() if hasattr(ops, "describe") else ("NumPy tile loops (BURSTMPI_CPU_KERNELS=numpy, or the "
+                                                           "compiled ones unavailable: numba or BLAS's sgemm missing)")
     return (f"#  CPU kernels: {how}; {threads} tile thread(s) per rank, each with 1-threaded BLAS "
             f"(BURSTMPI_THREADS to change)")
 
