@@ -71,10 +71,8 @@ def _f32_from_bits(typingctx, bits):
 
 
 @njit(inline="always", fastmath=_FM, cache=True)
-def fexp(x):
-    """e^x for float32 ``x``: within 3e-7 relative on [-87, 88]; exactly 0 below -87 (and
-    for -inf)."""
-    y = min(max(x, _LO), _HI)
+def _exp_reduced(y):
+    """e^y for float32 ``y`` in [-87, 88] (the callers clamp)."""
     n = np.floor(y * _LOG2E + _HALF)  # float32 (math.floor would give an int64 and float64 math)
     r = y - n * _LN2_HI
     r = r - n * _LN2_LO
@@ -84,7 +82,14 @@ def fexp(x):
     p = p * r + _C2
     p = p * r + _C1
     p = p * r + _C0
-    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23)) if x >= _LO else _ZERO
+    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@njit(inline="always", fastmath=_FM, cache=True)
+def fexp(x):
+    """e^x for float32 ``x``: within 3e-7 relative on [-87, 88]; exactly 0 below -87 (and
+    for -inf)."""
+    return _exp_reduced(min(max(x, _LO), _HI)) if x >= _LO else _ZERO
 
 
 @njit(inline="always", fastmath=_FM, cache=True)
@@ -92,17 +97,7 @@ def _fexp_run(x):
     """``fexp`` for a visible run's finite ``x <= 0`` (a score minus its row's max or lse),
     without the select: below -87 it gives e^-87 (1.6e-38, nothing beside a row sum of at
     least 1) instead of 0. 1.3x ``fexp``'s speed in the sweeps."""
-    y = max(x, _LO)
-    n = np.floor(y * _LOG2E + _HALF)
-    r = y - n * _LN2_HI
-    r = r - n * _LN2_LO
-    p = _C6 * r + _C5
-    p = p * r + _C4
-    p = p * r + _C3
-    p = p * r + _C2
-    p = p * r + _C1
-    p = p * r + _C0
-    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    return _exp_reduced(max(x, _LO))
 
 
 @intrinsic

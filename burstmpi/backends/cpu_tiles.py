@@ -86,13 +86,27 @@ def _bands(jlo, jhi, g, w):
     return out[:k]
 
 
-@njit(inline="always", cache=True)
-def _shifted(jlo, jhi, t0, t1, ca, cb, lo_b, hi_b):
-    """Tokens t0..t1-1's runs relative to column ``ca``, clipped to the band's [0, cb - ca)."""
-    for t in range(t0, t1):
-        a = min(max(jlo[t] - ca, 0), cb - ca)
-        lo_b[t - t0], hi_b[t - t0] = a, max(min(jhi[t] - ca, cb - ca), a)
-    return lo_b[:t1 - t0], hi_b[:t1 - t0]
+@njit(cache=True)
+def _pieces(t, c0, c1, iv, lo, hi, g, ntok):
+    """What key tile ``t`` is computed as: rectangles (r0, r1, col, w) of GEMM rows r0..r1-1
+    against key columns col..col+w-1, and per rectangle its tokens' visible runs relative
+    to ``col``: the whole tile when every row sees it whole, else ``_bands``."""
+    w = c1[t] - c0[t]
+    if iv[t] < 0:
+        rects = np.empty((1, 4), np.int64)
+        rects[0, 0], rects[0, 1], rects[0, 2], rects[0, 3] = 0, ntok * g, c0[t], w
+        return rects, np.zeros((1, ntok), np.int64), np.full((1, ntok), w, np.int64)
+    jlo, jhi = lo[iv[t]], hi[iv[t]]
+    bands = _bands(jlo, jhi, g, w)
+    nb = bands.shape[0]
+    rects, rlo, rhi = np.empty((nb, 4), np.int64), np.zeros((nb, ntok), np.int64), np.zeros((nb, ntok), np.int64)
+    for b in range(nb):
+        t0, t1, ca, cb = bands[b, 0], bands[b, 1], bands[b, 2], bands[b, 3]
+        rects[b, 0], rects[b, 1], rects[b, 2], rects[b, 3] = t0 * g, t1 * g, c0[t] + ca, cb - ca
+        for x in range(t0, t1):  # clipped to the band's columns (empty runs stay empty)
+            a = min(max(jlo[x] - ca, 0), cb - ca)
+            rlo[b, x - t0], rhi[b, x - t0] = a, max(min(jhi[x] - ca, cb - ca), a)
+    return rects, rlo, rhi
 
 
 @njit(inline="always", fastmath=_FM, cache=True)
@@ -131,43 +145,22 @@ def _bwd_tile(qs, do, D, lse, k, v, col, w, jlo, jhi, g, dq, dk, dv, p, ds):
 
 @njit(nogil=True, fastmath=_FM, cache=True)
 def _fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, s, alpha):
-    n = q.shape[0]
     qs = q * scale
-    whole_lo, whole_hi = np.zeros(n // g, np.int64), np.empty(n // g, np.int64)
-    lo_b, hi_b = np.empty(n // g, np.int64), np.empty(n // g, np.int64)
     for t in range(c0.size):
-        w = c1[t] - c0[t]
-        if iv[t] < 0:
-            whole_hi[:] = w
-            _fwd_tile(qs, k, v, c0[t], w, whole_lo, whole_hi, g, acc, m, l, s, alpha)
-            continue
-        bands = _bands(lo[iv[t]], hi[iv[t]], g, w)
-        for b in range(bands.shape[0]):
-            t0, t1, ca, cb = bands[b, 0], bands[b, 1], bands[b, 2], bands[b, 3]
-            jlo, jhi = _shifted(lo[iv[t]], hi[iv[t]], t0, t1, ca, cb, lo_b, hi_b)
-            r0, r1 = t0 * g, t1 * g
-            _fwd_tile(qs[r0:r1], k, v, c0[t] + ca, cb - ca, jlo, jhi, g, acc[r0:r1], m[r0:r1], l[r0:r1], s,
-                      alpha[r0:r1])
+        rects, rlo, rhi = _pieces(t, c0, c1, iv, lo, hi, g, q.shape[0] // g)
+        for b in range(rects.shape[0]):
+            r0, r1, col, w = rects[b, 0], rects[b, 1], rects[b, 2], rects[b, 3]
+            _fwd_tile(qs[r0:r1], k, v, col, w, rlo[b], rhi[b], g, acc[r0:r1], m[r0:r1], l[r0:r1], s, alpha[r0:r1])
 
 
 @njit(nogil=True, fastmath=_FM, cache=True)
 def _bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, p, ds):
-    n = q.shape[0]
     qs = q * scale
-    whole_lo, whole_hi = np.zeros(n // g, np.int64), np.empty(n // g, np.int64)
-    lo_b, hi_b = np.empty(n // g, np.int64), np.empty(n // g, np.int64)
     for t in range(c0.size):
-        w = c1[t] - c0[t]
-        if iv[t] < 0:
-            whole_hi[:] = w
-            _bwd_tile(qs, do, D, lse, k, v, c0[t], w, whole_lo, whole_hi, g, dq, dk, dv, p, ds)
-            continue
-        bands = _bands(lo[iv[t]], hi[iv[t]], g, w)
-        for b in range(bands.shape[0]):
-            t0, t1, ca, cb = bands[b, 0], bands[b, 1], bands[b, 2], bands[b, 3]
-            jlo, jhi = _shifted(lo[iv[t]], hi[iv[t]], t0, t1, ca, cb, lo_b, hi_b)
-            r0, r1 = t0 * g, t1 * g
-            _bwd_tile(qs[r0:r1], do[r0:r1], D[r0:r1], lse[r0:r1], k, v, c0[t] + ca, cb - ca, jlo, jhi, g,
+        rects, rlo, rhi = _pieces(t, c0, c1, iv, lo, hi, g, q.shape[0] // g)
+        for b in range(rects.shape[0]):
+            r0, r1, col, w = rects[b, 0], rects[b, 1], rects[b, 2], rects[b, 3]
+            _bwd_tile(qs[r0:r1], do[r0:r1], D[r0:r1], lse[r0:r1], k, v, col, w, rlo[b], rhi[b], g,
                       dq[r0:r1] if dq.size else dq, dk, dv, p, ds)
 
 
