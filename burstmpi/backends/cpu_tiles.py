@@ -8,8 +8,8 @@ loops in NumPy (the fallback and the float64 path), with the same signatures:
     D, lse (n,)                the backward's row scalars (lse +inf: the row sees no key)
     k (Ck, d), v (Ck, dv)      the key block of this (batch, KV head)
     c0, c1, iv (T,)            key tile t is columns c0[t]..c1[t]-1; iv[t] < 0: every row
-                               sees it whole, else token r sees its columns
-    lo, hi (P, n // g)         lo[iv[t], r]..hi[iv[t], r]-1 (relative to c0[t])
+                               sees it whole, else token x sees its columns
+    lo, hi (P, n // g)         lo[iv[t], x]..hi[iv[t], x]-1 (relative to c0[t])
     acc (n, dv), m, l (n,)     the forward's running state, updated in place
     dq (n, d), dk, dv          the backward's accumulators (dk, dv: (Ck, d), (Ck, dv)), added
                                to in place; an empty array skips that side (the two-way ring)
@@ -20,8 +20,8 @@ Every GEMM is BLAS's ``sgemm`` called from the compiled code (``cpu_blas``), and
 a temporary or an extra sweep. Q is scaled once per row, in a copy, as ``tile_ops`` does:
 putting the scale in the GEMM's ``alpha`` instead rounds S differently, and on one
 ill-conditioned dq element of the test suite (5 ranks, scale 0.37) that tripled the error
-(9.7e-6 against 3.0e-6, where the rule allows 9.3e-6). Between the
-GEMMs run ``cpu_kernels``' fused elementwise sweeps. A row holds the GIL only to enter:
+(9.7e-6 against 3.0e-6, where the rule allows 9.3e-6). Between the GEMMs run
+``cpu_kernels``' fused elementwise sweeps. A row holds the GIL only to enter:
 the backend's threads run rows side by side (``threads``), each with one-threaded BLAS.
 Measured on one AVX2 core (8K tokens, head dim 128): the forward's rows at 70 GFLOP/s,
 against 63 for the same kernels driven tile by tile from Python.

@@ -187,6 +187,12 @@ class NumpyBackend:
             return self._ops_for(cd).widen(x)
         return np.ascontiguousarray(x, dtype=cd)
 
+    def _block(self, x, cd):
+        """A key-side block (B, Zkv, C, d) in the accumulation dtype with every (batch, KV
+        head) slab C-contiguous, as the tile loops read it: a received packet's rows as
+        they are (only its padding rows break whole-array contiguity), else converted."""
+        return x if x.dtype == cd and _slabs_contiguous(x) else self._widen(x, cd)
+
     @staticmethod
     def alloc(nbytes):
         return np.empty(nbytes, dtype=np.uint8)
@@ -226,7 +232,7 @@ class NumpyBackend:
         cd = acc.dtype
         assert all(_slabs_contiguous(x) for x in state), "fwd_block: each (batch, KV head) of the state must be C-contiguous"
         ops = self._ops_for(cd)
-        k, v = self._widen(k, cd), self._widen(v, cd)
+        k, v = self._block(k, cd), self._block(v, cd)
         plan = self._plan(g, qb, kb)
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
 
@@ -292,7 +298,7 @@ class NumpyBackend:
         dvd = v.shape[-1]
         cd = (dq if dq is not None else dk).dtype
         ops = self._ops_for(cd)
-        k, v = self._widen(k, cd), self._widen(v, cd)
+        k, v = self._block(k, cd), self._block(v, cd)
         Ck = k.shape[2]
         assert all(x is None or _slabs_contiguous(x) for x in (dq, dk, dv)), \
             "bwd_block: each (batch, KV head) of dq, dk and dv must be C-contiguous"
