@@ -243,11 +243,12 @@ class NumpyBackend:
                         acc[b, z, r0:r1].reshape(n, dv), m[b, z, r0:r1].reshape(n), l[b, z, r0:r1].reshape(n),
                         _buffer(scratch, "s", (n * width,), cd), _buffer(scratch, "alpha", (n,), cd))
 
-        # Longest rows first (a causal mask's last query tiles see the most key tiles): the
-        # threads then finish together instead of one waiting on the other's long last row.
-        # Each item writes only its own rows, so the order does not change the result.
+        # Head by head (the threads then share one head's K and V in cache), each head's
+        # longest rows first (a causal mask's last query tiles see the most key tiles), so
+        # the last items are short and the threads finish together. Each item writes only
+        # its own rows: the order does not change the result.
         plan = sorted(plan, key=lambda row: -len(row[2][0]))
-        items = [(b, z, r0, r1, tiles) for r0, r1, tiles in plan for b in range(B) for z in range(Zkv)]
+        items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in plan]
         self.workers.run(items, item, dict, poll)
 
     # -- decode (burstmpi.cache) --------------------------------------------------------
