@@ -1,11 +1,12 @@
 """The elementwise work of a CPU tile in NumPy: the fallback and the tests' reference.
 
-``burstmpi.backends.cpu_kernels`` has the same operations compiled with numba (one fused
-sweep each instead of NumPy's several passes); ``NumpyBackend`` uses one set or the other
-(``BURSTMPI_CPU_KERNELS`` in ``burstmpi.config``). The signatures are the compiled
-kernels': 2-D tiles of ``n`` rows, the rows of token ``r // g`` seeing the columns
-``jlo[r // g] .. jhi[r // g] - 1`` (``jlo``/``jhi`` are None for a tile every row sees
-whole).
+``burstmpi.backends.cpu_kernels`` has ``softmax_update``, ``probs``, ``dsoftmax`` and
+``widen`` compiled with numba (one fused sweep each instead of NumPy's several passes),
+with these signatures: 2-D tiles of ``n`` rows, the rows of token ``r // g`` seeing the
+columns ``jlo[r // g] .. jhi[r // g] - 1`` (here ``jlo``/``jhi`` may be None for a tile
+every row sees whole). ``rescale_add`` has no compiled twin: the compiled loop scales the
+accumulator itself and lets sgemm add P @ V. ``NumpyBackend`` runs these loops or the
+compiled ones (``BURSTMPI_CPU_KERNELS`` in ``burstmpi.config``).
 
 ``fwd_row`` and ``bwd_row`` are a query tile's loop over its key tiles, with
 ``np.matmul`` for the GEMMs; ``cpu_tiles`` has them compiled, with the same signatures
