@@ -281,9 +281,10 @@ class PartialChannel:
         self._next = 1 - i
 
     def progress(self):
+        """Move the partial's transfers along; True while some are still in flight (as
+        ``Channel.progress``: the compute loop keeps polling until both say False)."""
         reqs = [r for r in (*self._send_reqs, self._recv_req) if r is not None]
-        if reqs:
-            self.transport.progress(reqs)
+        return bool(reqs) and not self.transport.progress(reqs)
 
     def drain(self):
         """Complete every outstanding send (at the end of a phase)."""

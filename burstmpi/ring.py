@@ -205,7 +205,8 @@ def forward(plan, q, k, v, dims):
     timer, t_start = Timer(), time.perf_counter()
 
     home_k = key_operands(k, v)
-    fill_packet(chan, home_k, geo.travelling_rows("k", plan.rank), be.xp)
+    if sched.send and sched.send[0]:  # our keys leave (not at 1 rank, nor where no one needs them)
+        fill_packet(chan, home_k, geo.travelling_rows("k", plan.rank), be.xp)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.query_block(plan.rank)
@@ -241,7 +242,8 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
     mine = geo.travelling_rows(role, plan.rank)
     home = home_q if mode == "burst" else home_k
-    fill_packet(chan, home, mine, xp)
+    if sched.send and sched.send[0]:
+        fill_packet(chan, home, mine, xp)
 
     def partials(t):
         # The partial finished at step t-1 leaves with step t's packet; the partial that

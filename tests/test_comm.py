@@ -78,3 +78,21 @@ def test_partial_channel_alternates_and_zeroes_send_buffers():
         part.received()
     part.post_send()
     part.drain()
+
+
+def test_progress_says_whether_transfers_are_in_flight():
+    """The compute loops poll while either channel says True: a partial still in flight
+    must say so even after the packet has arrived."""
+    chan, part = make(Channel), make(PartialChannel)
+    assert not chan.progress() and not part.progress()
+    chan.post(send=True, recv=True)
+    part.send_buffer()
+    part.post_send()
+    part.post_recv()
+    assert chan.progress() and part.progress()  # the loopback completes only in wait
+    chan.wait()
+    assert not chan.progress() and part.progress()
+    part.received()
+    part.drain()
+    assert not part.progress()
+

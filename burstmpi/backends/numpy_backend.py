@@ -332,7 +332,12 @@ class NumpyBackend:
                             None if dq is None else dq[b, z, r0:r1].reshape(n, d), dk_h, dv_h,
                             _buffer(scratch, "p", (n * width,), cd), _buffer(scratch, "ds", (n * width,), cd))
 
-        items = [(b, z, i, band) for b in range(B) for z in range(Zkv) for i, band in enumerate(bands) if band]
+        if self.workers.n == 1:
+            # One thread runs a head's rows in order either way; a row per item lets
+            # ``poll`` move the transfers between rows, not once per head.
+            items = [(b, z, 0, [row]) for b in range(B) for z in range(Zkv) for row in plan]
+        else:
+            items = [(b, z, i, band) for b in range(B) for z in range(Zkv) for i, band in enumerate(bands) if band]
         self.workers.run(items, item, dict, poll)
         for (b, z, i), (dk_p, dv_p) in sorted(parts.items()):  # band order: deterministic
             dk[b, z] += dk_p

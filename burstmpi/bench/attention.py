@@ -20,7 +20,8 @@ rows, and dk, dv on the same sampled key rows (given the forward's lse and out).
 exits non-zero if any #wrong is non-zero. With --torch, rank 0 also
 runs PyTorch's scaled_dot_product_attention on the whole global problem (with all the
 threads torch takes), and ``vs torch`` is our aggregate TFLOP/s over torch's (torch's time is,
-like ours, the mean over ``-n`` timed iterations after a warm-up). With
+like ours, the mean over ``-n`` timed iterations after a warm-up, one after each of ours, so
+the two are measured side by side). With
 --trace-memory, a first forward and backward on a fresh plan are traced: "oper MB" is
 what the phase cannot do without (its arrays in and out and the plan's ring buffers) and
 "peak MB" the largest total of live NumPy arrays during the call, inputs included
@@ -36,8 +37,9 @@ per link, nccl-tests' sendrecv bus factor 1); "comp ms" is the time inside the l
 kernels and "exposed ms" the time spent waiting on transfers (both max over ranks), and
 "overlap" is comp / (comp + exposed): 1.00 means every transfer was hidden behind compute;
 "vs local" is the per-rank f+b TFLOP/s over that of the local kernel alone on one unmasked
-block of the same per-rank shape, the largest rank's when lengths differ (the single-device
-rate the ring is measured against).
+block of the same per-rank shape, the largest ranks' when lengths differ (the single-device
+rate the ring is measured against): every rank runs it at once, between the ring's timed
+iterations (after every second one), and its times are reduced over ranks as the ring's are.
 
 With ``--docs SPEC`` every global length is packed with documents (``burstmpi.packing``:
 fixed:LEN, lognormal:MEAN, file:PATH) and attention stays inside each one. "docs" is the
@@ -197,17 +199,21 @@ def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlen
     return comm.allreduce(bad, op=MPI.SUM)
 
 
-def _torch_times(comm, cfg, local, iters, gpu=False):
-    """Rank 0 times torch SDPA on the whole global problem (on its GPU with ``gpu``);
-    returns (fwd_s, fwdbwd_s)."""
+def _torch_timer(comm, cfg, local, gpu=False):
+    """Torch SDPA on the whole global problem, timed on rank 0 (on its GPU with ``gpu``)
+    while the other ranks sleep. Returns ``tick``, which times one forward and one
+    forward+backward (collective: the bench calls it between its own timed iterations,
+    so both are measured side by side on machines whose speed drifts), and the list of
+    (fwd_s, fwdbwd_s) it fills on rank 0. Warmed up here, untimed."""
     glob = [unshard(x, layout=cfg["layout"]) for x in local]
-    result = (float("nan"), float("nan"))
+    times, run = [], None
     if comm.Get_rank() == 0:
         import torch
         import torch.nn.functional as F
 
         # The other ranks sleep meanwhile: give torch every core this process may use
-        # (under mpiexec torch otherwise starts with a single thread).
+        # (under mpiexec torch otherwise starts with a single thread). Our own threads and
+        # BLAS keep their counts (torch has its own pool).
         torch.set_num_threads(cores())
 
         def t(x):
@@ -232,13 +238,20 @@ def _torch_times(comm, cfg, local, iters, gpu=False):
 
         sync = torch.cuda.synchronize if gpu else (lambda: None)
         fwd(), fwdbwd()
-        # The mean over the timed iterations, as ours is: a minimum against a mean would
-        # favour torch by this machine's run-to-run noise.
-        tf = float(np.mean([wall(fwd, sync) for _ in range(iters)]))
-        tfb = float(np.mean([wall(fwdbwd, sync) for _ in range(iters)]))
-        result = (tf, tfb)
+
+        def timed_once():
+            times.append((wall(fwd, sync), wall(fwdbwd, sync)))
+
+        run = timed_once
+    del glob
     idle_barrier(comm)
-    return result
+
+    def tick():
+        if run is not None:
+            run()
+        idle_barrier(comm)
+
+    return tick, times
 
 
 def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None):
@@ -264,9 +277,11 @@ def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None):
     return dict(zip(("fwd_operands_mb", "fwd_traced_peak_mb", "bwd_operands_mb", "bwd_traced_peak_mb"), mb))
 
 
-def _local_kernel_s(plan, q, k, v, do, iters, dev):
+def _local_kernel_s(plan, q, k, v, do, dev, start):
     """Seconds of the backend's local forward and backward on one unmasked block of this
-    rank's own q against its own k, v: the single-device work one ring step does."""
+    rank's own q against its own k, v: the single-device work one ring step does.
+    ``start()`` (a barrier) precedes each, so the ranks run it side by side as they run
+    the ring."""
     from ..ring import _rows
 
     be, xp = plan.backend, plan.backend.xp
@@ -278,23 +293,22 @@ def _local_kernel_s(plan, q, k, v, do, iters, dev):
     qb, kb = dense.query_block(np.arange(C)), dense.key_block(np.arange(C))
     qr, dor = _rows(q, Zkv), _rows(do, Zkv)
     kr, vr = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    tf = tb = float("inf")
-    for _ in range(max(1, iters)):
-        state = be.fwd_state(B, Zkv, C, g, dv, acc)
-        dev.sync()
-        t0 = time.perf_counter()
-        be.fwd_block(qr, kr, vr, state, qb, kb, plan.scale)
-        dev.sync()
-        tf = min(tf, time.perf_counter() - t0)
-        out, lse = be.fwd_finalize(state, q.dtype)
-        D = (out.astype(acc) * out.astype(acc)).sum(axis=-1)
-        grads = [xp.zeros((B, Zkv, C, g, d), acc), xp.zeros((B, Zkv, C, d), acc), xp.zeros((B, Zkv, C, dv), acc)]
-        dev.sync()
-        t0 = time.perf_counter()
-        be.bwd_block(qr, dor, D, lse, kr, vr, *grads, qb, kb, plan.scale)
-        dev.sync()
-        tb = min(tb, time.perf_counter() - t0)
-    return tf, tb
+    state = be.fwd_state(B, Zkv, C, g, dv, acc)
+    dev.sync()
+    start()
+    t0 = time.perf_counter()
+    be.fwd_block(qr, kr, vr, state, qb, kb, plan.scale)
+    dev.sync()
+    tf = time.perf_counter() - t0
+    out, lse = be.fwd_finalize(state, q.dtype)
+    D = (out.astype(acc) * out.astype(acc)).sum(axis=-1)
+    grads = [xp.zeros((B, Zkv, C, g, d), acc), xp.zeros((B, Zkv, C, d), acc), xp.zeros((B, Zkv, C, dv), acc)]
+    dev.sync()
+    start()
+    t0 = time.perf_counter()
+    be.bwd_block(qr, dor, D, lse, kr, vr, *grads, qb, kb, plan.scale)
+    dev.sync()
+    return tf, time.perf_counter() - t0
 
 
 def _inputs(cfg, C, seed, rank, dev):
@@ -307,9 +321,9 @@ def _inputs(cfg, C, seed, rank, dev):
     return local, [dev.put(x) for x in local]
 
 
-def _iterations(comm, plan, arrays, iters, warmup, dev, cu_seqlens=None):
+def _iterations(comm, plan, arrays, iters, warmup, dev, cu_seqlens=None, between=None):
     """Forward and backward ``warmup + iters`` times; the timed ones' seconds and the last
-    results."""
+    results. ``between(j)`` runs after the j-th timed iteration."""
     q, k, v, do = arrays
     tf, tb = [], []
     for i in range(warmup + iters):
@@ -318,6 +332,8 @@ def _iterations(comm, plan, arrays, iters, warmup, dev, cu_seqlens=None):
         if i >= warmup:
             tf.append(a)
             tb.append(b)
+            if between is not None:
+                between(i - warmup)
     return tf, tb, out, lse, grads
 
 
@@ -356,7 +372,23 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
                           bwd_comm=cfg["bwd_comm"], backend=dev.backend,
                           transport=transport if dev.backend == "cuda" else "auto")
     memory = _footprint(comm, cfg, window, q, k, v, do, cu) if trace_memory else {}
-    tf, tb, out, lse, grads = _iterations(comm, plan, arrays, iters, warmup, dev, cu)
+    ref = []  # (fwd, bwd) seconds of the local kernel
+    torch_tick, torch_times = _torch_timer(comm, cfg, local, dev.backend == "cuda") if use_torch else (None, [])
+
+    def between(j):
+        if torch_tick is not None:  # torch after each of our iterations: means over the same span
+            torch_tick()
+        # The single-device reference, timed after every second iteration (after the only
+        # one of -n 1): side by side with the ring's, on machines whose speed drifts.
+        if j % 2 == 1 or iters == 1:
+            start = comm.Barrier
+            if C:
+                ref.append(_local_kernel_s(plan, q, k, v, do, dev, start))
+            else:  # no rows here: only the barriers
+                start()
+                start()
+
+    tf, tb, out, lse, grads = _iterations(comm, plan, arrays, iters, warmup, dev, cu, between)
     st = plan.last_stats
     name, red = REDUCE[reduce]
     all_f = comm.allgather(float(np.mean(tf)))
@@ -364,10 +396,12 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     all_fb = [a + b for a, b in zip(all_f, all_b)]
     tf_s, tb_s = float(red(all_f)), float(red(all_b))
     fb_s = float(red(all_fb))
-    comm.Barrier()
-    # The single-device reference: the largest rank's block (what the slowest step costs).
-    lf, lb = _local_kernel_s(plan, q, k, v, do, max(1, iters // 2), dev) if C else (0.0, 0.0)
-    Cl, lf, lb = max(comm.allgather((C, lf, lb)), key=lambda x: x[0])
+    # The single-device reference: the largest ranks' blocks (what the slowest step costs),
+    # each rank's mean over its runs, reduced over those ranks as the ring's times are.
+    everyone = comm.allgather((C, *(float(np.mean(x)) for x in zip(*ref))) if ref else (C, 0.0, 0.0))
+    Cl = max(c for c, _, _ in everyone)
+    largest = [(f, b) for c, f, b in everyone if c == Cl]
+    lf, lb, lfb = (float(red([pick(x) for x in largest])) for pick in (lambda x: x[0], lambda x: x[1], sum))
     compute = comm.allreduce(st.forward.compute_s + st.backward.compute_s, op=MPI.MAX)
     exposed = comm.allreduce(st.forward.wait_s + st.backward.wait_s, op=MPI.MAX)
     sent = comm.allreduce(st.forward.bytes_sent + st.backward.bytes_sent, op=MPI.MAX)
@@ -375,7 +409,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     row.pop("bwd_comm")
     fl = {phase: flops(B, N, Z, d, cfg["causal"], phase, window, cu) for phase in ("fwd", "bwd", "fwdbwd")}
     pairs = comm.allgather(st.forward.pairs)
-    local_rate = 3.5 * 4.0 * B * Z * Cl * Cl * d / (lf + lb)  # dense Cl x Cl block, fwd + bwd
+    local_rate = 3.5 * 4.0 * B * Z * Cl * Cl * d / lfb  # dense Cl x Cl block, fwd + bwd
     row.update(
         bwd_mode=st.bwd_mode, ranks=P, backend=st.backend, transport=st.transport,
         fwd_ms=1e3 * tf_s, bwd_ms=1e3 * tb_s, fwdbwd_ms=1e3 * fb_s,
@@ -412,8 +446,9 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
                                dev=dev, transport=transport, red=red))
         row["vs_padded"] = row["pad_fwdbwd_ms"] / row["fwdbwd_ms"]
     if use_torch:
-        t_f, t_fb = _torch_times(comm, row, local, iters, gpu=dev.backend == "cuda")
-        t_f, t_fb = comm.bcast((t_f, t_fb), root=0)
+        # The mean over the timed iterations, as ours is: a minimum against a mean would
+        # favour torch by this machine's run-to-run noise.
+        t_f, t_fb = comm.bcast(tuple(float(np.mean(x)) for x in zip(*torch_times)) if torch_times else None, root=0)
         row["torch_fwd_tflops"] = fl["fwd"] / t_f / 1e12
         row["torch_fwdbwd_tflops"] = fl["fwdbwd"] / t_fb / 1e12
         row["vs_torch_fwd"] = row["fwd_tflops"] * P / row["torch_fwd_tflops"]
