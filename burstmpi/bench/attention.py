@@ -401,7 +401,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     everyone = comm.allgather((C, *(float(np.mean(x)) for x in zip(*ref))) if ref else (C, 0.0, 0.0))
     Cl = max(c for c, _, _ in everyone)
     largest = [(f, b) for c, f, b in everyone if c == Cl]
-    lf, lb, lfb = (float(red([pick(x) for x in largest])) for pick in (lambda x: x[0], lambda x: x[1], sum))
+    lf, lb = (float(red([x[i] for x in largest])) for i in (0, 1))
+    lfb = float(red([f + b for f, b in largest]))
     compute = comm.allreduce(st.forward.compute_s + st.backward.compute_s, op=MPI.MAX)
     exposed = comm.allreduce(st.forward.wait_s + st.backward.wait_s, op=MPI.MAX)
     sent = comm.allreduce(st.forward.bytes_sent + st.backward.bytes_sent, op=MPI.MAX)
