@@ -95,4 +95,3 @@ def test_progress_says_whether_transfers_are_in_flight():
     part.received()
     part.drain()
     assert not part.progress()
-

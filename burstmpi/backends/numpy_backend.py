@@ -298,6 +298,8 @@ class NumpyBackend:
         tile they see: it owns its rows of ``dq``, and adds into ``dk``/``dv`` directly
         when it is its head's only band; with fewer heads than twice the workers, a head
         is cut into bands whose ``dk``/``dv`` partials are added afterwards in band order.
+        On one thread an item is a single query tile, in the same order, so that ``poll``
+        runs between tiles.
         """
         B, Zkv, C, g, d = q.shape
         dvd = v.shape[-1]
