@@ -14,6 +14,10 @@ BURSTMPI_TILE_K         512         rows of K/V per local tile (NumPy backend)
 BURSTMPI_CPU_KERNELS    auto        the CPU backend's elementwise work: ``numba``
                                     (compiled, fused), ``numpy`` (the pure-NumPy
                                     fallback), ``auto`` = numba when it imports
+BURSTMPI_BLAS           auto        the BLAS whose sgemm the compiled tile loops call:
+                                    ``mkl`` (Intel oneMKL: pip's ``mkl`` wheel, conda,
+                                    or the loader path), ``numpy`` (NumPy's own),
+                                    ``auto`` = oneMKL when present; read once per process
 BURSTMPI_THREADS        0           threads per rank for the CPU backend's tiles;
                                     ``0`` = the cores this process may use divided by
                                     the ranks on its node (at least 1)
@@ -62,6 +66,7 @@ class Settings:
         self.tile_q = _int("BURSTMPI_TILE_Q", 512)
         self.tile_k = _int("BURSTMPI_TILE_K", 512)
         self.cpu_kernels = _choice("BURSTMPI_CPU_KERNELS", "auto", {"auto", "numba", "numpy"})
+        self.blas = _choice("BURSTMPI_BLAS", "auto", {"auto", "mkl", "numpy"})
         self.threads = _int("BURSTMPI_THREADS", 0, minimum=0)
         self.check = _int("BURSTMPI_CHECK", 1, minimum=0) != 0
         self.cuda_aware_mpi = _int("BURSTMPI_CUDA_AWARE_MPI", 0, minimum=0) != 0

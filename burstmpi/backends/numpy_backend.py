@@ -28,6 +28,7 @@ order: results are bitwise reproducible.
 
 import numpy as np
 
+from ..config import settings
 from ..masks import EMPTY, PARTIAL, classify_tiles
 from . import numpy_decode, tile_ops
 from .threads import Workers
@@ -154,6 +155,8 @@ def _ops(setting):
         if setting == "numba":
             raise RuntimeError(f"BURSTMPI_CPU_KERNELS=numba: the compiled CPU tile loops are unavailable ({e}); "
                                "pip install numba, or set BURSTMPI_CPU_KERNELS=numpy") from None
+        if settings().blas == "mkl":  # asked for by name: not quietly the slow loops instead
+            raise RuntimeError(f"the compiled CPU tile loops are unavailable: {e}") from None
         return tile_ops
     cpu_tiles.warm()  # compiled, or loaded from the disk cache, once per process
     return cpu_tiles
