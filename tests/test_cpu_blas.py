@@ -58,9 +58,16 @@ print(json.dumps(info))
 """
 
 
-def _child(blas, out=None):
+def _env(**settings):
+    """This environment without an MPI launcher's variables (the child is a singleton), plus
+    ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI"))}
-    env.update(BURSTMPI_BLAS=blas, BURSTMPI_TILE_Q="512", BURSTMPI_TILE_K="512", BURSTMPI_THREADS="2")
+    env.update(settings)
+    return env
+
+
+def _child(blas, out=None):
+    env = _env(BURSTMPI_BLAS=blas, BURSTMPI_TILE_Q="512", BURSTMPI_TILE_K="512", BURSTMPI_THREADS="2")
     res = subprocess.run([sys.executable, "-c", _CHILD] + ([str(out)] if out else []), env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -92,8 +99,7 @@ def test_mkl_setting_without_mkl_is_a_clear_error():
     info = _child("mkl")
     assert info["why"].startswith("BURSTMPI_BLAS=mkl, but no oneMKL runtime was found") and \
         "pip install mkl, or set BURSTMPI_BLAS=auto" in info["why"], info
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI"))}
-    env["BURSTMPI_BLAS"] = "mkl"
+    env = _env(BURSTMPI_BLAS="mkl")
     code = ("import numpy as np, burstmpi\nq = np.zeros((1, 4, 2, 8), np.float32)\n"
             "try:\n    burstmpi.attention(q, q, q)\nexcept RuntimeError as e:\n    print(e)")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -123,3 +129,11 @@ def test_mkl_results_within_the_rule_and_reproducible(tmp_path):
             check_close(f"{name} {g}", r[g], exact[g], plain[g], "float32")
     for key in ("out", "lse", "dq", "dk", "dv"):
         assert np.array_equal(runs["mkl"][key].view(np.uint8), runs["mkl again"][key].view(np.uint8)), key
+
+
+def test_blas_setting_names_the_variable(monkeypatch):
+    from burstmpi.config import settings
+
+    monkeypatch.setenv("BURSTMPI_BLAS", "openblas")
+    with pytest.raises(ValueError, match=r"BURSTMPI_BLAS: expected one of \['auto', 'mkl', 'numpy'\], got 'openblas'"):
+        settings()

@@ -108,12 +108,13 @@ def _mkl(loaded):
 
 
 def _mkl_version(lib):
+    """"oneMKL 2026.2" from the library's own version string, for ``describe``."""
     buf = ctypes.create_string_buffer(256)
     try:
         lib.MKL_Get_Version_String(buf, len(buf))
     except AttributeError:
         return "oneMKL"
-    words = buf.value.decode(errors="replace").split()  # "Intel(R) oneAPI Math Kernel Library Version 2026.2.1-Product ..."
+    words = buf.value.decode(errors="replace").split()  # "Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build ..."
     return "oneMKL " + words[words.index("Version") + 1].split("-")[0] if "Version" in words[:-1] else "oneMKL"
 
 
