@@ -22,11 +22,12 @@ pytestmark = pytest.mark.skipif(NRANKS > 1, reason="spawns its own interpreters;
 
 
 def _have_mkl():
-    """Can this environment load a oneMKL runtime the way ``cpu_blas`` looks for one?"""
-    names = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+    """Can this environment load a oneMKL runtime under the names ``cpu_blas`` looks for?"""
+    from burstmpi.backends.cpu_blas import _MKL_NAMES
+
     if glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")):
         return True
-    for name in names:
+    for name in _MKL_NAMES:
         try:
             ctypes.CDLL(name)
             return True

@@ -206,8 +206,8 @@ def _torch_timer(comm, cfg, local, gpu=False):
     so both are measured side by side on machines whose speed drifts), and the list of
     (fwd_s, fwdbwd_s) it fills on rank 0. Warmed up here, untimed."""
     glob = [unshard(x, layout=cfg["layout"]) for x in local]
-    times, run = [], None
-    if comm.Get_rank() == 0:
+    times, rank0 = [], comm.Get_rank() == 0
+    if rank0:
         import torch
         import torch.nn.functional as F
 
@@ -238,17 +238,12 @@ def _torch_timer(comm, cfg, local, gpu=False):
 
         sync = torch.cuda.synchronize if gpu else (lambda: None)
         fwd(), fwdbwd()
-
-        def timed_once():
-            times.append((wall(fwd, sync), wall(fwdbwd, sync)))
-
-        run = timed_once
     del glob
     idle_barrier(comm)
 
     def tick():
-        if run is not None:
-            run()
+        if rank0:
+            times.append((wall(fwd, sync), wall(fwdbwd, sync)))
         idle_barrier(comm)
 
     return tick, times
