@@ -119,17 +119,25 @@ def _rows(x, Zkv):
 
 
 def _from_rows(xp, x, dtype):
-    """(B, Zkv, C, g, d) -> a new C-contiguous (B, C, Z, d) array of ``dtype``."""
+    """(B, Zkv, C, g, d) -> (B, C, Z, d) of ``dtype``, C-contiguous: a view when ``x`` is
+    already that (a backend that accumulates in the caller's layout), else a new array."""
     B, Zkv, C, g, d = x.shape
+    caller = x.transpose(0, 2, 1, 3, 4)
+    if x.dtype == dtype and caller.flags.c_contiguous:
+        return caller.reshape(B, C, Zkv * g, d)
     out = xp.empty((B, C, Zkv, g, d), dtype=dtype)
-    out[...] = x.transpose(0, 2, 1, 3, 4)
+    out[...] = caller
     return out.reshape(B, C, Zkv * g, d)
 
 
 def _from_kv(xp, x, dtype):
-    """(B, Zkv, C, d) -> a new C-contiguous (B, C, Zkv, d) array of ``dtype``."""
-    out = xp.empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), dtype=dtype)
-    out[...] = x.transpose(0, 2, 1, 3)
+    """(B, Zkv, C, d) -> (B, C, Zkv, d) of ``dtype``, C-contiguous: a view when ``x`` is
+    already that, else a new array."""
+    caller = x.transpose(0, 2, 1, 3)
+    if x.dtype == dtype and caller.flags.c_contiguous:
+        return caller
+    out = xp.empty(caller.shape, dtype=dtype)
+    out[...] = caller
     return out
 
 
@@ -178,13 +186,12 @@ def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
     lse_rows = xp.where(lse_rows == -np.inf, np.inf, lse_rows)
     home_q = {"q": _rows(q, Zkv), "do": _rows(dout, Zkv), "D": D, "lse": lse_rows}
     home_k = key_operands(k, v)
-    grads = {"dq": xp.zeros((B, Zkv, C, g, d), acc), "dk": xp.zeros((B, Zkv, C, d), acc),
-             "dv": xp.zeros((B, Zkv, C, dv), acc)}
-    return home_q, home_k, grads
+    return home_q, home_k, be.bwd_state(B, Zkv, C, g, d, dv, acc)
 
 
 def finish_gradients(xp, grads, dtype, scale):
-    """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied)."""
+    """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied;
+    accumulators already in that layout and dtype are returned as they are)."""
     grads["dq"] *= grads["dq"].dtype.type(scale)
     # Convert one gradient at a time, dropping its fp32 accumulator as soon as it is done.
     dq = _from_rows(xp, grads.pop("dq"), dtype)

@@ -121,7 +121,8 @@ def test_row_loops_match_numpy(g):
     got = {}
     for ops in (ct, tile_ops):
         acc, m, l = (x.copy() for x in state0)
-        ops.fwd_row(q, k, v, *tiles, g, scale, acc, m, l, np.zeros(n * 32, np.float32), np.zeros(n, np.float32))
+        ops.fwd_row(q, k, v, *tiles, g, scale, acc, m, l, np.zeros(n * d, np.float32), np.zeros(n * 32, np.float32),
+                    np.zeros(n, np.float32))
         got[ops] = acc, m, l
     for a, b in zip(got[ct], got[tile_ops]):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
@@ -133,7 +134,7 @@ def test_row_loops_match_numpy(g):
         for ops in (ct, tile_ops):
             dq = np.ones((n, d), np.float32) if sides[0] else None
             dk, dvv = (np.ones((Ck, x), np.float32) for x in (d, dv)) if sides[1] else (None, None)
-            ops.bwd_row(q, do, D, lse, k, v, *tiles, g, scale, dq, dk, dvv,
+            ops.bwd_row(q, do, D, lse, k, v, *tiles, g, scale, dq, dk, dvv, np.zeros(n * d, np.float32),
                         np.zeros(n * 32, np.float32), np.zeros(n * 32, np.float32))
             grads[ops] = dq, dk, dvv
         for a, b in zip(grads[ct], grads[tile_ops]):
@@ -142,9 +143,58 @@ def test_row_loops_match_numpy(g):
                 np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
         if sides[0]:
             assert (grads[ct][0][2] == 1).all()  # row 2: lse +inf, no gradient
-    with pytest.raises(ValueError, match="k must be a C-contiguous float32 array"):
-        ct.fwd_row(q, k[:, ::2], v, *tiles, g, scale, *(x.copy() for x in state0), np.zeros(n * 32, np.float32),
+    acc_cols = np.zeros((n, 2 * dv), np.float32)[:, ::2]  # an accumulator must have contiguous rows
+    with pytest.raises(ValueError, match="acc must be an aligned float32 array with contiguous rows"):
+        ct.fwd_row(q, k, v, *tiles, g, scale, acc_cols, *(x.copy() for x in state0[1:]),
+                   np.zeros(n * d, np.float32), np.zeros(n * 32, np.float32), np.zeros(n, np.float32))
+
+
+def _row_strided(x, rng):
+    """``x``'s values in a wider, read-only array: rows several elements apart, as a
+    (batch, KV head) slab of a (B, C, heads, d) array lies."""
+    wide = rng.standard_normal((x.shape[0], x.shape[1] + 5)).astype(x.dtype)
+    wide[:, 3:3 + x.shape[1]] = x
+    view = wide[:, 3:3 + x.shape[1]]
+    view.flags.writeable = False
+    return view
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_row_loops_take_any_row_stride(g):
+    """The compiled loops read operands where they lie: q, k, v, dO (read-only, rows apart)
+    and dq, dk, dv accumulators that are slices of wider arrays give bitwise the results of
+    contiguous copies; a column-strided input is copied, not misread."""
+    ct = pytest.importorskip("burstmpi.backends.cpu_tiles", reason="no sgemm to call from compiled code")
+    rng = np.random.default_rng(3)
+    ntok, d, dv, Ck = 40, 16, 24, 96
+    n = ntok * g
+    q, do = (rng.standard_normal((n, x)).astype(np.float32) for x in (d, dv))
+    k, v = (rng.standard_normal((Ck, x)).astype(np.float32) for x in (d, dv))
+    t = np.arange(ntok)
+    tiles = (np.array([0, 48], np.int64), np.array([48, 96], np.int64), np.array([-1, 0], np.int64),
+             np.zeros((1, ntok), np.int64), np.minimum(t + 10, 48)[None].astype(np.int64))
+
+    def run(q, k, v, do, wide):
+        acc = (np.zeros((n, dv + 8), np.float32)[:, 4:4 + dv]) if wide else np.zeros((n, dv), np.float32)
+        m, l = np.full(n, -np.inf, np.float32), np.zeros(n, np.float32)
+        ct.fwd_row(q, k, v, *tiles, g, 0.3, acc, m, l, np.zeros(n * d, np.float32), np.zeros(n * 48, np.float32),
                    np.zeros(n, np.float32))
+        lse = (m + np.log(l)).astype(np.float32)
+        D = (np.asarray(do) * acc).sum(axis=1, dtype=np.float32)
+        grads = [np.zeros((r, c + 8), np.float32)[:, 2:2 + c] if wide else np.zeros((r, c), np.float32)
+                 for r, c in ((n, d), (Ck, d), (Ck, dv))]
+        ct.bwd_row(q, do, D, lse, k, v, *tiles, g, 0.3, *grads, np.zeros(n * d, np.float32),
+                   np.zeros(n * 48, np.float32), np.zeros(n * 48, np.float32))
+        return [np.array(x) for x in (acc, m, l, *grads)]
+
+    want = run(q, k, v, do, False)
+    got = run(*(_row_strided(x, rng) for x in (q, k, v, do)), True)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    cols = np.repeat(k, 2, axis=1)[:, ::2]  # k's values, columns 8 bytes apart
+    got = run(q, cols, v, do, False)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("g", [1, 3])
@@ -168,10 +218,11 @@ def test_row_loops_band_partial_tiles(g):
     got = {}
     for ops in (ct, tile_ops):
         acc, m, l = np.zeros((n, d), np.float32), np.full(n, -np.inf, np.float32), np.zeros(n, np.float32)
-        ops.fwd_row(q, k, v, *tiles, g, 0.25, acc, m, l, np.zeros(n * w, np.float32), np.zeros(n, np.float32))
+        ops.fwd_row(q, k, v, *tiles, g, 0.25, acc, m, l, np.zeros(n * d, np.float32), np.zeros(n * w, np.float32),
+                    np.zeros(n, np.float32))
         lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), np.inf).astype(np.float32)
         grads = [np.zeros((n, d), np.float32), np.zeros((3 * w, d), np.float32), np.zeros((3 * w, d), np.float32)]
-        ops.bwd_row(q, do, (do * acc).sum(axis=1), lse, k, v, *tiles, g, 0.25, *grads,
+        ops.bwd_row(q, do, (do * acc).sum(axis=1), lse, k, v, *tiles, g, 0.25, *grads, np.zeros(n * d, np.float32),
                     np.zeros(n * w, np.float32), np.zeros(n * w, np.float32))
         got[ops] = (acc, m, l, *grads)
     for a, b in zip(got[ct], got[tile_ops]):

@@ -2,7 +2,7 @@
 
 A backend provides ``xp`` (the array module), ``alloc(nbytes)``, ``acc_dtype``, the
 local work of a ring step: ``fwd_state``, ``fwd_block``, ``fwd_finalize``,
-``bwd_preprocess`` and ``bwd_block``, and that of a decode (``burstmpi.cache``):
+``bwd_preprocess``, ``bwd_state`` and ``bwd_block``, and that of a decode (``burstmpi.cache``):
 ``decode`` (new queries over a cache shard, a normalised partial) and ``combine`` (partials
 merged in a fixed order). The ring algorithm in ``burstmpi.ring`` and the cache are
 written once against this interface. ``NumpyBackend`` computes on the CPU: its tile

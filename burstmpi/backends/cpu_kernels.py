@@ -101,6 +101,28 @@ def _fexp_run(x):
 
 
 @intrinsic
+def wide_vectors(typingctx):
+    """Let LLVM vectorise the calling function with 512-bit registers where the CPU has
+    them. LLVM's tuning for Intel's AVX-512 server cores prefers 256 bits (wide
+    instructions can lower the clock), so numba's loops ran on ymm registers there; the
+    tile loops' GEMMs (oneMKL, OpenBLAS) run on zmm anyway. Measured on an AVX-512 Xeon,
+    one 512 x 512 tile's ``softmax_update``: 78 us against 101, bitwise the same result.
+    Set per function (``prefer-vector-width``; ``min-legal-vector-width`` survives
+    inlining into the caller), so numba's process-wide CPU settings, and the user's own
+    numba code, are left alone. CPUs without AVX-512 are unaffected."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        # llvmlite's attribute set only accepts its list of keywords: add the string
+        # attributes to the underlying set directly.
+        for attr in ('"prefer-vector-width"="512"', '"min-legal-vector-width"="512"'):
+            set.add(builder.function.attributes, attr)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _fmax(typingctx, a, b):
     """LLVM's maxnum with "nnan nsz": the form its vectoriser turns into a vector max
     reduction (numba's ``max`` stays scalar: 3.1 against 9.2 G elements/s, measured). Only
@@ -125,6 +147,7 @@ def softmax_update(s, jlo, jhi, g, m, l, alpha):
     """Rows ``r`` of ``s`` (n x keys; token r // g sees columns jlo..jhi-1): masked
     entries set to 0, visible ones to exp(s - m_new); m, l updated, alpha[r] =
     exp(m_old - m_new), all in one pass after the row max."""
+    wide_vectors()
     n, tk = s.shape
     for r in range(n):
         a, b = jlo[r // g], jhi[r // g]
@@ -153,6 +176,7 @@ def softmax_update(s, jlo, jhi, g, m, l, alpha):
 def probs(p, jlo, jhi, g, lse):
     """p = exp(p - lse[:, None]) on each row's visible columns, 0 elsewhere (lse is +inf
     for rows that see no key, giving 0)."""
+    wide_vectors()
     n, tk = p.shape
     for r in range(n):
         a, b = jlo[r // g], jhi[r // g]
@@ -170,6 +194,7 @@ def probs(p, jlo, jhi, g, lse):
 @njit(nogil=True, fastmath=_FM, cache=True)
 def dsoftmax(ds, p, D):
     """ds = p * (ds - D[:, None]): dS from dP, in place."""
+    wide_vectors()
     n, tk = ds.shape
     for r in range(n):
         d = D[r]
@@ -179,6 +204,7 @@ def dsoftmax(ds, p, D):
 
 @njit(nogil=True, fastmath=_FM, cache=True)
 def _widen_bf16(src, out):
+    wide_vectors()
     for i in range(src.size):
         out[i] = _f32_from_bits(np.int32(src[i]) << np.int32(16))
 
@@ -196,6 +222,7 @@ def _bits_of_f32(typingctx, x):
 
 @njit(nogil=True, fastmath=_FM, cache=True)
 def _widen_f16(src, out):
+    wide_vectors()
     # Exponent and mantissa shifted into float32 position, then scaled by 2^112: that
     # re-biases normals and normalises subnormals in one multiply; inf and NaN get the
     # float32 all-ones exponent back; the sign bit moves up 16 places.

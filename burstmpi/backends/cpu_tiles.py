@@ -13,11 +13,21 @@ loops in NumPy (the fallback and the float64 path), with the same signatures:
     acc (n, dv), m, l (n,)     the forward's running state, updated in place
     dq (n, d), dk, dv          the backward's accumulators (dk, dv: (Ck, d), (Ck, dv)), added
                                to in place; an empty array skips that side (the two-way ring)
+    qs                         scratch for the scaled queries: at least n * d elements
     s, alpha / p, ds           scratch: at least n * max(c1 - c0) and n elements
+
+Matrices need contiguous rows, not contiguous storage: every GEMM is given each operand's
+row stride (BLAS's leading dimension), and inputs may be read-only. So a tile's queries are
+read where they lie in the caller's (B, C, heads, d) array (rows ``heads * d`` apart; they
+are read once, into ``qs``), and a packet's rows are used as received. The backend still
+copies the caller's own K and V once per block, where rows 4 KB apart measured slower in
+the GEMMs than a copy (``numpy_backend``). One compiled version of each loop takes all of
+these (``_SIGNATURES``).
 
 Every GEMM is BLAS's ``sgemm`` called from the compiled code (``cpu_blas``), and ``beta =
 1`` adds P @ V, P^T dO, dS K and dS^T Q into their accumulators directly, so no tile needs
-a temporary or an extra sweep. Q is scaled once per row, in a copy, as ``tile_ops`` does:
+a temporary or an extra sweep. Q is scaled once per row, into the scratch ``qs``, as
+``tile_ops`` does:
 putting the scale in the GEMM's ``alpha`` instead rounds S differently, and on one
 ill-conditioned dq element of the test suite (5 ranks, scale 0.37) that tripled the error
 (9.7e-6 against 3.0e-6, where the rule allows 9.3e-6). Between the GEMMs run
@@ -31,10 +41,10 @@ import time
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from . import cpu_blas, cpu_kernels
-from .cpu_kernels import _FM, dsoftmax, probs, softmax_update, widen  # noqa: F401 (widen: the ops interface)
+from .cpu_kernels import _FM, dsoftmax, probs, softmax_update, wide_vectors, widen  # noqa: F401 (widen: the ops interface)
 
 if cpu_blas.sgemm is None:  # the backend falls back to tile_ops (BURSTMPI_CPU_KERNELS=auto)
     raise ImportError(f"the compiled tile loops need BLAS's sgemm: {cpu_blas.available()}")
@@ -49,8 +59,27 @@ _ONE, _ZERO = np.float32(1.0), np.float32(0.0)
 
 @njit(inline="always", cache=True)
 def _at(x, row):
-    """Address of row ``row`` of the C-contiguous matrix ``x``."""
+    """Address of row ``row`` of the float32 matrix ``x`` (rows contiguous, any row stride)."""
     return x.ctypes.data + row * x.strides[0]
+
+
+@njit(inline="always", cache=True)
+def _ld(x):
+    """BLAS's leading dimension of the float32 matrix ``x``: elements from one row to the next
+    (a single row's stride is whatever NumPy made it, and BLAS only checks it)."""
+    return x.strides[0] // 4 if x.shape[0] > 1 else max(x.shape[1], 1)
+
+
+@njit(inline="always", fastmath=_FM, cache=True)
+def _scaled(q, scale, buf):
+    """``q * scale`` as a C-contiguous matrix in the scratch ``buf``."""
+    n, d = q.shape
+    qs = buf[:n * d].reshape((n, d))
+    for r in range(n):
+        src, dst = q[r], qs[r]
+        for j in range(d):
+            dst[j] = src[j] * scale
+    return qs
 
 
 # A partly visible tile (the diagonal of a causal mask, a window's edge) is cut into
@@ -115,14 +144,15 @@ def _fwd_tile(qs, k, v, col, w, jlo, jhi, g, acc, m, l, s, alpha):
     n, d = qs.shape
     dv = v.shape[1]
     st = s[:n * w].reshape((n, w))
-    _sgemm(_R, _N, _T, n, w, d, _ONE, qs.ctypes.data, d, _at(k, col), d, _ZERO, st.ctypes.data, w)
+    _sgemm(_R, _N, _T, n, w, d, _ONE, qs.ctypes.data, d, _at(k, col), _ld(k), _ZERO, st.ctypes.data, w)
     softmax_update(st, jlo, jhi, g, m, l, alpha)
     for r in range(n):  # acc *= alpha, then acc += P @ V inside the GEMM
         a = alpha[r]
-        row = acc[r]
-        for j in range(dv):
-            row[j] *= a
-    _sgemm(_R, _N, _N, n, dv, w, _ONE, st.ctypes.data, w, _at(v, col), dv, _ONE, acc.ctypes.data, dv)
+        if a != _ONE:  # the row's max did not move (most tiles after the first few)
+            row = acc[r]
+            for j in range(dv):
+                row[j] *= a
+    _sgemm(_R, _N, _N, n, dv, w, _ONE, st.ctypes.data, w, _at(v, col), _ld(v), _ONE, acc.ctypes.data, _ld(acc))
 
 
 @njit(inline="always", fastmath=_FM, cache=True)
@@ -131,21 +161,22 @@ def _bwd_tile(qs, do, D, lse, k, v, col, w, jlo, jhi, g, dq, dk, dv, p, ds):
     n, d = qs.shape
     dvd = do.shape[1]
     pt, dst = p[:n * w].reshape((n, w)), ds[:n * w].reshape((n, w))
-    _sgemm(_R, _N, _T, n, w, d, _ONE, qs.ctypes.data, d, _at(k, col), d, _ZERO, pt.ctypes.data, w)
+    _sgemm(_R, _N, _T, n, w, d, _ONE, qs.ctypes.data, d, _at(k, col), _ld(k), _ZERO, pt.ctypes.data, w)
     probs(pt, jlo, jhi, g, lse)  # P = exp(S - lse)
-    _sgemm(_R, _N, _T, n, w, dvd, _ONE, do.ctypes.data, dvd, _at(v, col), dvd, _ZERO, dst.ctypes.data, w)  # dP
+    _sgemm(_R, _N, _T, n, w, dvd, _ONE, do.ctypes.data, _ld(do), _at(v, col), _ld(v), _ZERO, dst.ctypes.data, w)  # dP
     if dv.size:  # dV += P^T dO
-        _sgemm(_R, _T, _N, w, dvd, n, _ONE, pt.ctypes.data, w, do.ctypes.data, dvd, _ONE, _at(dv, col), dvd)
+        _sgemm(_R, _T, _N, w, dvd, n, _ONE, pt.ctypes.data, w, do.ctypes.data, _ld(do), _ONE, _at(dv, col), _ld(dv))
     dsoftmax(dst, pt, D)  # dS = P (dP - D)
     if dq.size:  # dQ += dS K (the owner applies the scale)
-        _sgemm(_R, _N, _N, n, d, w, _ONE, dst.ctypes.data, w, _at(k, col), d, _ONE, dq.ctypes.data, d)
+        _sgemm(_R, _N, _N, n, d, w, _ONE, dst.ctypes.data, w, _at(k, col), _ld(k), _ONE, dq.ctypes.data, _ld(dq))
     if dk.size:  # dK += dS^T (scale Q)
-        _sgemm(_R, _T, _N, w, d, n, _ONE, dst.ctypes.data, w, qs.ctypes.data, d, _ONE, _at(dk, col), d)
+        _sgemm(_R, _T, _N, w, d, n, _ONE, dst.ctypes.data, w, qs.ctypes.data, d, _ONE, _at(dk, col), _ld(dk))
 
 
 @njit(nogil=True, fastmath=_FM, cache=True)
-def _fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, s, alpha):
-    qs = q * scale
+def _fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, qbuf, s, alpha):
+    wide_vectors()
+    qs = _scaled(q, scale, qbuf)
     for t in range(c0.size):
         rects, rlo, rhi = _pieces(t, c0, c1, iv, lo, hi, g, q.shape[0] // g)
         for b in range(rects.shape[0]):
@@ -154,8 +185,9 @@ def _fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, s, alpha):
 
 
 @njit(nogil=True, fastmath=_FM, cache=True)
-def _bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, p, ds):
-    qs = q * scale
+def _bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, qbuf, p, ds):
+    wide_vectors()
+    qs = _scaled(q, scale, qbuf)
     for t in range(c0.size):
         rects, rlo, rhi = _pieces(t, c0, c1, iv, lo, hi, g, q.shape[0] // g)
         for b in range(rects.shape[0]):
@@ -164,25 +196,59 @@ def _bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, p, d
                       dq[r0:r1] if dq.size else dq, dk, dv, p, ds)
 
 
-def _contiguous(**arrays):
-    for what, x in arrays.items():
-        if not x.flags.c_contiguous or x.dtype != np.float32:
-            raise ValueError(f"cpu_tiles: {what} must be a C-contiguous float32 array, got {x.dtype} "
-                             f"with strides {x.strides}")
+def _matrix(x):
+    """Is ``x`` a matrix the compiled loops can hand to sgemm: aligned float32, contiguous
+    rows, rows at a row stride BLAS accepts?"""
+    n, w = x.shape
+    return (x.dtype == np.float32 and x.flags.aligned and (x.strides[1] == 4 or w <= 1)
+            and (n <= 1 or x.strides[0] >= 4 * max(w, 1)))
 
 
-def fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, s, alpha):
+def _operands(names, arrays, inputs):
+    """``arrays`` as the compiled loops take them: inputs whose rows are not contiguous float32
+    are copied; accumulators must already be (they are updated in place)."""
+    fixed = []
+    for what, x in zip(names, arrays):
+        good = x.dtype == np.float32 and x.flags.aligned if x.ndim == 1 else _matrix(x)
+        if not good:
+            if what not in inputs:
+                raise ValueError(f"cpu_tiles: {what} must be an aligned float32 array with contiguous rows "
+                                 f"(it is updated in place), got {x.dtype} with shape {x.shape} and strides {x.strides}")
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        fixed.append(x)
+    return fixed
+
+
+def fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, qs, s, alpha):
     """One query tile over its key tiles, merged into (acc, m, l) in place."""
-    _contiguous(q=q, k=k, v=v, acc=acc, m=m, l=l)
-    _fwd_row(q, k, v, c0, c1, iv, lo, hi, g, np.float32(scale), acc, m, l, s, alpha)
+    q, k, v, acc, m, l = _operands("q k v acc m l".split(), (q, k, v, acc, m, l), "qkv")
+    _fwd_row(q, k, v, c0, c1, iv, lo, hi, g, np.float32(scale), acc, m, l, qs, s, alpha)
 
 
-def bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, p, ds):
+def bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, qs, p, ds):
     """One query tile's gradients over its key tiles, added into dq, dk, dv (None: skipped)."""
     empty = np.empty((0, 0), np.float32)
     dq, dk, dv = (empty if x is None else x for x in (dq, dk, dv))
-    _contiguous(q=q, do=do, D=D, lse=lse, k=k, v=v, dq=dq, dk=dk, dv=dv)
-    _bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, np.float32(scale), dq, dk, dv, p, ds)
+    q, do, D, lse, k, v, dq, dk, dv = _operands("q do D lse k v dq dk dv".split(), (q, do, D, lse, k, v, dq, dk, dv),
+                                                ("q", "do", "D", "lse", "k", "v"))
+    _bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, np.float32(scale), dq, dk, dv, qs, p, ds)
+
+
+# One compiled version of each loop, for operands with any row stride (numba's layout "A")
+# and read-only inputs: C-contiguous or writable arrays convert to it, so the same machine
+# code (and disk cache entry) serves home blocks, packets and copies alike.
+def _array(dtype, ndim, layout="A", readonly=False):
+    return types.Array(dtype, ndim, layout, readonly=readonly)
+
+
+_IN1, _IN2 = _array(types.float32, 1, readonly=True), _array(types.float32, 2, readonly=True)
+_OUT1, _OUT2 = _array(types.float32, 1), _array(types.float32, 2)
+_SCRATCH = _array(types.float32, 1, "C")
+_TILES = (_array(types.int64, 1, readonly=True),) * 3 + (_array(types.int64, 2, readonly=True),) * 2 + (types.int64,)
+_SIGNATURES = {
+    _fwd_row: (_IN2, _IN2, _IN2) + _TILES + (types.float32, _OUT2, _OUT1, _OUT1) + (_SCRATCH,) * 3,
+    _bwd_row: (_IN2, _IN2, _IN1, _IN1, _IN2, _IN2) + _TILES + (types.float32, _OUT2, _OUT2, _OUT2) + (_SCRATCH,) * 3,
+}
 
 
 _warm = None  # (seconds, loaded from the disk cache) of the first warm()
@@ -195,13 +261,10 @@ def warm():
     if _warm is None:
         t0 = time.perf_counter()
         cpu_kernels.warm()
-        f, r = np.zeros((2, 4), np.float32), np.zeros(2, np.float32)  # 2 queries, 2 keys, d = 4
-        t, lohi = np.zeros(1, np.int64), np.zeros((0, 2), np.int64)  # one whole key tile: columns 0, 1
-        fwd_row(f, f, f, t, t + 2, t - 1, lohi, lohi, 1, 1.0, f.copy(), np.full(2, -np.inf, np.float32),
-                r.copy(), np.zeros(4, np.float32), r.copy())
-        bwd_row(f, f, r, r, f, f, t, t + 2, t - 1, lohi, lohi, 1, 1.0, f.copy(), f.copy(), f.copy(),
-                np.zeros(4, np.float32), np.zeros(4, np.float32))
-        cached = cpu_kernels.cached() and all(sum(x.stats.cache_hits.values()) > 0 for x in (_fwd_row, _bwd_row))
+        for loop, signature in _SIGNATURES.items():
+            loop.compile(signature)
+            loop.disable_compile()  # every call converts to that signature
+        cached = cpu_kernels.cached() and all(sum(x.stats.cache_hits.values()) > 0 for x in _SIGNATURES)
         _warm = (time.perf_counter() - t0, cached)
     return _warm[0]
 

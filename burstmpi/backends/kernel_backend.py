@@ -140,6 +140,12 @@ class KernelBackend:
         return (xp.zeros((B, Zkv, C, g, dv), np.float32), xp.full((B, Zkv, C, g), -np.inf, np.float32),
                 xp.zeros((B, Zkv, C, g), np.float32))
 
+    def bwd_state(self, B, Zkv, C, g, d, dv, acc):
+        """Zeroed gradient accumulators {dq, dk, dv}: (B, Zkv, C, g, d), (B, Zkv, C, d), (B, Zkv, C, dv)."""
+        xp = self.xp
+        return {"dq": xp.zeros((B, Zkv, C, g, d), acc), "dk": xp.zeros((B, Zkv, C, d), acc),
+                "dv": xp.zeros((B, Zkv, C, dv), acc)}
+
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
         """Merge key block ``k``, ``v`` into the state of queries ``q``; ``qb``, ``kb``
         are the masks.Block of the query and the key rows."""

@@ -122,27 +122,62 @@ def _bands(plan, count):
     return [plan[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+_ALIGN = 64  # bytes: a cache line, and an AVX-512 vector
+
+
+def _aligned(shape, dtype, fill=None):
+    """A C-contiguous array whose data starts on a cache line. NumPy only promises 16 bytes
+    (a large array comes from mmap at a page plus 16), and a tile whose every row starts
+    16 bytes into a cache line splits its vector loads and stores across two. ``fill=0``
+    comes zeroed from calloc, so fresh pages are first touched by the tile threads that
+    use them, in parallel, not by one fill beforehand."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64))
+    raw = (np.zeros if fill == 0 else np.empty)(size * dtype.itemsize + _ALIGN, np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    x = raw[skip:skip + size * dtype.itemsize].view(dtype).reshape(shape)
+    if fill is not None and fill != 0:
+        x.fill(fill)
+    return x
+
+
 def _buffer(scratch, key, shape, dtype):
-    """A scratch array of ``shape`` (C-contiguous), reusing this worker's storage."""
+    """A scratch array of ``shape`` (C-contiguous, cache-line aligned), reusing this worker's
+    storage."""
     size = 1
     for n in shape:
         size *= n
     held = scratch.get(key)
     if held is None or held.size < size or held.dtype != dtype:
-        held = scratch[key] = np.empty(max(size, 1), dtype)
+        held = scratch[key] = _aligned(max(size, 1), dtype)
     return held[:size].reshape(shape)
 
 
+def _rows_contiguous(x):
+    """Are the last axis's elements adjacent (any strides elsewhere)? Such blocks go to the
+    tile loops as they lie: their GEMMs take each matrix's row stride."""
+    return x.ndim == 0 or x.shape[-1] <= 1 or x.strides[-1] == x.itemsize
+
+
 def _slabs_contiguous(x):
-    """Is every ``x[b, z]`` C-contiguous? The tiles that accumulate into ``x`` are reshaped
-    views of it (a copy would drop the result): a ring packet's dq, say, is strided only
-    across (batch, KV head)."""
+    """Is every ``x[b, z]`` C-contiguous?"""
     want = x.itemsize
     for n, stride in zip(x.shape[:1:-1], x.strides[:1:-1]):
         if n > 1 and stride != want:
             return False
         want *= n
     return True
+
+
+def _tile_rows(x, b, z, r0, r1):
+    """``x[b, z, r0:r1]`` as (rows, width) or (rows,): the tile's own rows of an accumulator,
+    a view (a copy would lose what the loops add)."""
+    part = x[b, z, r0:r1]
+    rows = part.reshape((-1, x.shape[-1]) if part.ndim > 2 else -1) if part.ndim > 1 else part
+    if part.size and not np.may_share_memory(rows, x):
+        raise AssertionError(f"numpy backend: an accumulator of shape {x.shape} and strides {x.strides} "
+                             "has tiles that are not views")
+    return rows
 
 
 def _ops(setting):
@@ -182,19 +217,31 @@ class NumpyBackend:
         return self.ops if cd == np.float32 else tile_ops
 
     def _widen(self, x, cd):
-        """``x`` in the accumulation dtype, C-contiguous: converted once per block (each of
-        its tiles is read by many items), a no-op for float32 blocks already in place."""
-        if x.dtype == cd:
-            return np.ascontiguousarray(x)
+        """``x`` in the accumulation dtype with contiguous rows: itself when it already is
+        (the tile loops take any row stride), else converted."""
+        if x.dtype == cd and _rows_contiguous(x):
+            return x
         if cd == np.float32 and x.dtype.itemsize == 2:
             return self._ops_for(cd).widen(x)
         return np.ascontiguousarray(x, dtype=cd)
 
     def _block(self, x, cd):
         """A key-side block (B, Zkv, C, d) in the accumulation dtype with every (batch, KV
-        head) slab C-contiguous, as the tile loops read it: a received packet's rows as
-        they are (only its padding rows break whole-array contiguity), else converted."""
-        return x if x.dtype == cd and _slabs_contiguous(x) else self._widen(x, cd)
+        head) slab C-contiguous: a received packet's rows as they are, else converted once
+        per block (each of its tiles is read by many items). The caller's own K and V
+        have rows heads * d apart, 4 KB at 8 heads of 128, so every row of a tile falls in
+        the same L1 set: read in place (with the accumulators' rows as far apart) the 8K
+        forward ran ~5 % slower than with copies (one thread, alternating runs)."""
+        return x if x.dtype == cd and _slabs_contiguous(x) else np.ascontiguousarray(self._widen(x, cd))
+
+    def _rows_copy(self, x, cd, scratch, key):
+        """A tile's query-side rows (n, d) as a contiguous matrix in this worker's scratch
+        (a GEMM operand; see ``_block`` for why not in place); half dtypes widened."""
+        if x.dtype != cd:
+            return self._widen(x, cd)
+        out = _buffer(scratch, key, x.shape, cd)
+        np.copyto(out, x)
+        return out
 
     @staticmethod
     def alloc(nbytes):
@@ -219,9 +266,15 @@ class NumpyBackend:
 
     def fwd_state(self, B, Zkv, C, g, dv, acc):
         """Zeroed running state (acc, m, l) for C query tokens."""
-        return (np.zeros((B, Zkv, C, g, dv), acc),
-                np.full((B, Zkv, C, g), -np.inf, acc),
-                np.zeros((B, Zkv, C, g), acc))
+        return (_aligned((B, Zkv, C, g, dv), acc, 0),
+                _aligned((B, Zkv, C, g), acc, -np.inf),
+                _aligned((B, Zkv, C, g), acc, 0))
+
+    @staticmethod
+    def bwd_state(B, Zkv, C, g, d, dv, acc):
+        """Zeroed gradient accumulators {dq, dk, dv}: (B, Zkv, C, g, d), (B, Zkv, C, d), (B, Zkv, C, dv)."""
+        return {"dq": _aligned((B, Zkv, C, g, d), acc, 0), "dk": _aligned((B, Zkv, C, d), acc, 0),
+                "dv": _aligned((B, Zkv, C, dv), acc, 0)}
 
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
         """Merge attention of queries ``q`` over the block (k, v) into ``state``.
@@ -233,7 +286,6 @@ class NumpyBackend:
         B, Zkv, C, g, d = q.shape
         dv = v.shape[-1]
         cd = acc.dtype
-        assert all(_slabs_contiguous(x) for x in state), "fwd_block: each (batch, KV head) of the state must be C-contiguous"
         ops = self._ops_for(cd)
         k, v = self._block(k, cd), self._block(v, cd)
         plan = self._plan(g, qb, kb)
@@ -243,8 +295,9 @@ class NumpyBackend:
             b, z, r0, r1, tiles = it
             n = (r1 - r0) * g
             ops.fwd_row(self._widen(q[b, z, r0:r1].reshape(n, d), cd), k[b, z], v[b, z], *tiles, g, scale,
-                        acc[b, z, r0:r1].reshape(n, dv), m[b, z, r0:r1].reshape(n), l[b, z, r0:r1].reshape(n),
-                        _buffer(scratch, "s", (n * width,), cd), _buffer(scratch, "alpha", (n,), cd))
+                        _tile_rows(acc, b, z, r0, r1), _tile_rows(m, b, z, r0, r1), _tile_rows(l, b, z, r0, r1),
+                        _buffer(scratch, "qs", (n * d,), cd), _buffer(scratch, "s", (n * width,), cd),
+                        _buffer(scratch, "alpha", (n,), cd))
 
         # Head by head (the threads then share one head's K and V in cache), each head's
         # longest rows first (a causal mask's last query tiles see the most key tiles), so
@@ -284,9 +337,15 @@ class NumpyBackend:
 
     @staticmethod
     def bwd_preprocess(dout, out, Zkv, acc):
-        """D = rowsum(dout * out) as (B, Zkv, C, g), from (B, C, Z, dv) arrays."""
-        B, C, Z, _ = dout.shape
-        D = (dout.astype(acc, copy=False) * out.astype(acc, copy=False)).sum(axis=-1)
+        """D = rowsum(dout * out) as (B, Zkv, C, g), from (B, C, Z, dv) arrays; a few
+        hundred tokens at a time, so the products are a small temporary, not one as large
+        as ``out`` in fresh memory (each row's sum is the same either way)."""
+        B, C, Z, dv = dout.shape
+        D = np.empty((B, C, Z), acc)
+        step = max(1, (1 << 18) // max(1, B * Z * dv))
+        for c in range(0, C, step):
+            D[:, c:c + step] = (dout[:, c:c + step].astype(acc, copy=False)
+                                * out[:, c:c + step].astype(acc, copy=False)).sum(axis=-1)
         return D.reshape(B, C, Zkv, Z // Zkv).transpose(0, 2, 1, 3)
 
     def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qb, kb, scale, poll=None):
@@ -310,8 +369,6 @@ class NumpyBackend:
         ops = self._ops_for(cd)
         k, v = self._block(k, cd), self._block(v, cd)
         Ck = k.shape[2]
-        assert all(x is None or _slabs_contiguous(x) for x in (dq, dk, dv)), \
-            "bwd_block: each (batch, KV head) of dq, dk and dv must be C-contiguous"
         plan = self._plan(g, qb, kb)
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
         count = -(-2 * self.workers.n // (B * Zkv)) if self.workers.n > 1 else 1
@@ -330,12 +387,13 @@ class NumpyBackend:
             for r0, r1, tiles in band:
                 n = (r1 - r0) * g
                 ops.bwd_row(self._widen(q[b, z, r0:r1].reshape(n, d), cd),
-                            self._widen(do[b, z, r0:r1].reshape(n, dvd), cd),
-                            np.ascontiguousarray(D[b, z, r0:r1], dtype=cd).reshape(n),
-                            np.ascontiguousarray(lse[b, z, r0:r1], dtype=cd).reshape(n),
+                            self._rows_copy(do[b, z, r0:r1].reshape(n, dvd), cd, scratch, "do"),
+                            D[b, z, r0:r1].reshape(n).astype(cd, copy=False),
+                            lse[b, z, r0:r1].reshape(n).astype(cd, copy=False),
                             k[b, z], v[b, z], *tiles, g, scale,
-                            None if dq is None else dq[b, z, r0:r1].reshape(n, d), dk_h, dv_h,
-                            _buffer(scratch, "p", (n * width,), cd), _buffer(scratch, "ds", (n * width,), cd))
+                            None if dq is None else _tile_rows(dq, b, z, r0, r1), dk_h, dv_h,
+                            _buffer(scratch, "qs", (n * d,), cd), _buffer(scratch, "p", (n * width,), cd),
+                            _buffer(scratch, "ds", (n * width,), cd))
 
         if self.workers.n == 1:
             # One thread runs a head's rows in order either way; a row per item lets

@@ -94,10 +94,17 @@ def _runs(t, iv, lo, hi):
     return (None, None) if iv[t] < 0 else (lo[iv[t]], hi[iv[t]])
 
 
-def fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, s, alpha):
+def _scaled(q, scale, buf, cd):
+    """``q * scale`` in the scratch ``buf``."""
+    qs = buf[:q.size].reshape(q.shape)
+    np.multiply(q, cd.type(scale), out=qs)
+    return qs
+
+
+def fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, qbuf, s, alpha):
     """One query tile over its key tiles, merged into (acc, m, l) in place."""
     n, cd = q.shape[0], acc.dtype
-    qs = q * cd.type(scale)
+    qs = _scaled(q, scale, qbuf, cd)
     for t in range(len(c0)):
         a, b = c0[t], c1[t]
         st = s[:n * (b - a)].reshape(n, b - a)
@@ -106,10 +113,10 @@ def fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, s, alpha):
         rescale_add(acc, alpha, st @ v[a:b])
 
 
-def bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, p, ds):
+def bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, qbuf, p, ds):
     """One query tile's gradients over its key tiles, added into dq, dk, dv (None: skipped)."""
     n = q.shape[0]
-    qs = q * q.dtype.type(scale)
+    qs = _scaled(q, scale, qbuf, p.dtype)
     for t in range(len(c0)):
         a, b = c0[t], c1[t]
         pt, dst = p[:n * (b - a)].reshape(n, b - a), ds[:n * (b - a)].reshape(n, b - a)
