@@ -119,8 +119,9 @@ def _rows(x, Zkv):
 
 
 def _from_rows(xp, x, dtype):
-    """(B, Zkv, C, g, d) -> (B, C, Z, d) of ``dtype``, C-contiguous: a view when ``x`` is
-    already that (a backend that accumulates in the caller's layout), else a new array."""
+    """(B, Zkv, C, g, d) -> (B, C, Z, d) of ``dtype``, C-contiguous: a view of ``x`` when that
+    already is it (one KV head: the working layout is the caller's), else a new array. Only
+    for arrays the caller consumes (an accumulator, a fresh output)."""
     B, Zkv, C, g, d = x.shape
     caller = x.transpose(0, 2, 1, 3, 4)
     if x.dtype == dtype and caller.flags.c_contiguous:
@@ -131,8 +132,8 @@ def _from_rows(xp, x, dtype):
 
 
 def _from_kv(xp, x, dtype):
-    """(B, Zkv, C, d) -> (B, C, Zkv, d) of ``dtype``, C-contiguous: a view when ``x`` is
-    already that, else a new array."""
+    """(B, Zkv, C, d) -> (B, C, Zkv, d) of ``dtype``, C-contiguous: a view of ``x`` when that
+    already is it, else a new array (as ``_from_rows``)."""
     caller = x.transpose(0, 2, 1, 3)
     if x.dtype == dtype and caller.flags.c_contiguous:
         return caller
@@ -190,8 +191,7 @@ def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
 
 
 def finish_gradients(xp, grads, dtype, scale):
-    """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied;
-    accumulators already in that layout and dtype are returned as they are)."""
+    """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied)."""
     grads["dq"] *= grads["dq"].dtype.type(scale)
     # Convert one gradient at a time, dropping its fp32 accumulator as soon as it is done.
     dq = _from_rows(xp, grads.pop("dq"), dtype)

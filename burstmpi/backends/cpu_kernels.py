@@ -23,7 +23,8 @@ largest relative error is 3e-7 (a few float32 ulp, against NumPy's 1) and it giv
 ``_fexp_run``, the same without that select. Only float32 is compiled: float64 inputs (the
 reference precision) stay on NumPy.
 
-Every kernel runs on the calling thread and releases the GIL (``nogil``): the backend runs
+Every kernel, and the tile loops of ``cpu_tiles``, asks for 512-bit vectors where the CPU
+has them (``wide_vectors``). Every kernel runs on the calling thread and releases the GIL (``nogil``): the backend runs
 tiles on several threads (``burstmpi.backends.threads``), so there is no ``prange`` here.
 Compiled code is cached on disk (numba's ``cache=True``, next to this file or under
 ``NUMBA_CACHE_DIR``); ``warm()`` compiles (or loads) everything and says how long it took.
