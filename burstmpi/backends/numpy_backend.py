@@ -160,7 +160,8 @@ def _rows_contiguous(x):
 
 
 def _slabs_contiguous(x):
-    """Is every ``x[b, z]`` C-contiguous?"""
+    """Is every ``x[b, z]`` C-contiguous (a received packet's key-side rows are, but for
+    padding rows between slabs)?"""
     want = x.itemsize
     for n, stride in zip(x.shape[:1:-1], x.strides[:1:-1]):
         if n > 1 and stride != want:
@@ -172,8 +173,8 @@ def _slabs_contiguous(x):
 def _tile_rows(x, b, z, r0, r1):
     """``x[b, z, r0:r1]`` as (rows, width) or (rows,): the tile's own rows of an accumulator,
     a view (a copy would lose what the loops add)."""
-    part = x[b, z, r0:r1]
-    rows = part.reshape((-1, x.shape[-1]) if part.ndim > 2 else -1) if part.ndim > 1 else part
+    part = x[b, z, r0:r1]  # (tokens, g[, width])
+    rows = part.reshape((-1,) + x.shape[4:])
     if part.size and not np.may_share_memory(rows, x):
         raise AssertionError(f"numpy backend: an accumulator of shape {x.shape} and strides {x.strides} "
                              "has tiles that are not views")
