@@ -112,7 +112,9 @@ class BurstAttention:
     v, out, lse, cu_seqlens=None)`` returns ``(dq, dk, dv)``; see ``burstmpi.attention``
     for shapes and documents (``cu_seqlens`` is per call: it changes with every batch).
     Both are collective over ``comm``. Double buffers are allocated on first use and kept for
-    calls of the same shapes; ``release()`` frees them.
+    calls of the same shapes, and so are the CPU backend's working arrays (its converted K/V
+    blocks and fp32 accumulators, ~5x a rank's q in all; ``backend.held_bytes``), as CuPy's
+    memory pool keeps the GPU's: ``release()`` frees them.
     """
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
@@ -165,7 +167,8 @@ class BurstAttention:
                           compute_s=timer.compute, wait_s=timer.wait)
 
     def release(self):
-        """Free the ring buffers (they are re-allocated on the next call)."""
+        """Free the ring buffers and the CPU backend's working arrays (allocated again on the
+        next call)."""
         self.runtime.release()
 
     # -- the calls --------------------------------------------------------------------

@@ -118,27 +118,20 @@ def _rows(x, Zkv):
     return x.reshape(B, C, Zkv, Z // Zkv, d).transpose(0, 2, 1, 3, 4)
 
 
-def _from_rows(xp, x, dtype):
-    """(B, Zkv, C, g, d) -> (B, C, Z, d) of ``dtype``, C-contiguous: a view of ``x`` when that
-    already is it (one KV head: the working layout is the caller's), else a new array. Only
-    for arrays the caller consumes (an accumulator, a fresh output)."""
+def _from_rows(be, x, dtype):
+    """(B, Zkv, C, g, d) -> a new C-contiguous (B, C, Z, d) array of ``dtype`` (``be.output``).
+    Always a copy, even where the layouts agree (one KV head): the backends' accumulators
+    are their reused workspace, and what the caller gets must be its own."""
     B, Zkv, C, g, d = x.shape
-    caller = x.transpose(0, 2, 1, 3, 4)
-    if x.dtype == dtype and caller.flags.c_contiguous:
-        return caller.reshape(B, C, Zkv * g, d)
-    out = xp.empty((B, C, Zkv, g, d), dtype=dtype)
-    out[...] = caller
+    out = be.output((B, C, Zkv, g, d), dtype)
+    out[...] = x.transpose(0, 2, 1, 3, 4)
     return out.reshape(B, C, Zkv * g, d)
 
 
-def _from_kv(xp, x, dtype):
-    """(B, Zkv, C, d) -> (B, C, Zkv, d) of ``dtype``, C-contiguous: a view of ``x`` when that
-    already is it, else a new array (as ``_from_rows``)."""
-    caller = x.transpose(0, 2, 1, 3)
-    if x.dtype == dtype and caller.flags.c_contiguous:
-        return caller
-    out = xp.empty(caller.shape, dtype=dtype)
-    out[...] = caller
+def _from_kv(be, x, dtype):
+    """(B, Zkv, C, d) -> a new C-contiguous (B, C, Zkv, d) array of ``dtype`` (as ``_from_rows``)."""
+    out = be.output((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), dtype)
+    out[...] = x.transpose(0, 2, 1, 3)
     return out
 
 
@@ -169,7 +162,7 @@ def finish_forward(be, state, dtype, dims):
     """(out, lse) in the caller's layouts from the running state (which it consumes)."""
     B, C, Z = dims[:3]
     out_rows, lse_rows = be.fwd_finalize(state, dtype)
-    out = _from_rows(be.xp, out_rows, dtype)
+    out = _from_rows(be, out_rows, dtype)
     del out_rows
     return out, be.xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
 
@@ -190,13 +183,13 @@ def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
     return home_q, home_k, be.bwd_state(B, Zkv, C, g, d, dv, acc)
 
 
-def finish_gradients(xp, grads, dtype, scale):
-    """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied)."""
+def finish_gradients(be, grads, dtype, scale):
+    """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied:
+    they are the backend's, and a backend may drop or reuse each once it is copied)."""
     grads["dq"] *= grads["dq"].dtype.type(scale)
-    # Convert one gradient at a time, dropping its fp32 accumulator as soon as it is done.
-    dq = _from_rows(xp, grads.pop("dq"), dtype)
-    dk = _from_kv(xp, grads.pop("dk"), dtype)
-    dvv = _from_kv(xp, grads.pop("dv"), dtype)
+    dq = _from_rows(be, grads.pop("dq"), dtype)
+    dk = _from_kv(be, grads.pop("dk"), dtype)
+    dvv = _from_kv(be, grads.pop("dv"), dtype)
     return dq, dk, dvv
 
 
@@ -289,7 +282,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     timer.run("wait", part.drain)
 
     del target, qs, ks
-    dq, dk, dvv = finish_gradients(xp, grads, q.dtype, plan.scale)
+    dq, dk, dvv = finish_gradients(be, grads, q.dtype, plan.scale)
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]
     # The holder's pairs: its queries against the owner's keys, or (burst) the owner's
     # queries against its keys.

@@ -211,6 +211,10 @@ class Runtime:
             finish()
 
     def release(self):
-        """Free the ring buffers (they are re-allocated on the next call)."""
+        """Free the ring buffers and the CPU backend's working arrays (they are allocated
+        again on the next call)."""
         self._channels.clear()
         self._arena = None
+        free = getattr(self.backend, "release", None)
+        if free is not None:
+            free()

@@ -190,5 +190,5 @@ def backward(plan, dout, q, k, v, out, lse, dims):
                     geo.travelling_block("q", o), kb_home)
 
     _run(plan, steps, [(kvu, kv_s.up), (kvd, kv_s.down), (qu, q_s.up), (qd, q_s.down)], timer, compute)
-    dq, dk, dvv = finish_gradients(be.xp, grads, q.dtype, plan.scale)
+    dq, dk, dvv = finish_gradients(be, grads, q.dtype, plan.scale)
     return dq, dk, dvv, plan.phase_stats(list(chans), owners, pairs, 0, timer, t_start)

@@ -350,20 +350,30 @@ def test_threads_per_rank():
 
 def test_workers_run_every_item_once_poll_and_raise():
     w = Workers(3)
-    seen, polls = [], []
-    w.run(range(50), lambda item, scratch: seen.append(item), dict, poll=lambda: polls.append(1))
+    seen, polls, used = [], [], set()
+
+    def note(item, scratch):
+        seen.append(item)
+        used.add(id(scratch))
+        scratch.array("x", (4,), np.float32)
+
+    w.run(range(50), note, poll=lambda: polls.append(1))
     assert sorted(seen) == list(range(50)) and polls
+    assert used <= {id(s) for s in w.scratch}  # each thread's own Workspace, kept from run to run
+    held = [s.nbytes for s in w.scratch]
+    w.run(range(50), note)
+    assert [s.nbytes for s in w.scratch] == held
 
     def boom(item, scratch):
         if item == 7:
             raise ValueError("item 7 failed")
 
     with pytest.raises(ValueError, match="item 7 failed"):
-        w.run(range(20), boom, dict)
+        w.run(range(20), boom)
     assert Workers(3)._pool is w._pool  # one pool per size and process
     seen.clear()
     one = Workers(1)
-    one.run(range(5), lambda item, scratch: seen.append(item), dict)  # inline, in order
+    one.run(range(5), note)  # inline, in order
     assert seen == list(range(5)) and one._pool is None
 
 

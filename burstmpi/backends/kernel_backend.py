@@ -81,6 +81,10 @@ class KernelBackend:
     def alloc(self, nbytes):
         return self.xp.empty(nbytes, dtype=np.uint8)
 
+    def output(self, shape, dtype):
+        """A new array for a result the caller keeps (from CuPy's memory pool)."""
+        return self.xp.empty(shape, dtype)
+
     @staticmethod
     def acc_dtype(dtype):
         _dtype_name(dtype)

@@ -9,7 +9,9 @@ contiguous matrix and a GEMM covers the whole query-head group at once):
 
 A tile is ``Tq`` tokens of the query side (``Tq * g`` GEMM rows, about ``tile_q``)
 against ``Tk`` tokens of the key side. No array larger than a tile is ever created
-beyond the O(C * heads * d) operands, so memory is linear in the local length.
+beyond the O(C * heads * d) operands, so memory is linear in the local length. Those
+operands (converted K/V blocks, accumulators) and the results' storage are reused from
+call to call (``workspace``: fresh memory costs page faults on every call).
 
 Computation runs in the accumulation dtype (float32, or float64 for float64 inputs):
 float16/bfloat16 blocks are converted once per block (each key tile is read by every
@@ -32,6 +34,7 @@ from ..config import settings
 from ..masks import EMPTY, PARTIAL, classify_tiles
 from . import numpy_decode, tile_ops
 from .threads import Workers
+from .workspace import OutputPool, Workspace
 
 __all__ = ["NumpyBackend"]
 
@@ -122,37 +125,6 @@ def _bands(plan, count):
     return [plan[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-_ALIGN = 64  # bytes: a cache line, and an AVX-512 vector
-
-
-def _aligned(shape, dtype, fill=None):
-    """A C-contiguous array whose data starts on a cache line. NumPy only promises 16 bytes
-    (a large array comes from mmap at a page plus 16), and a tile whose every row starts
-    16 bytes into a cache line splits its vector loads and stores across two. ``fill=0``
-    comes zeroed from calloc, so fresh pages are first touched by the tile threads that
-    use them, in parallel, not by one fill beforehand."""
-    dtype = np.dtype(dtype)
-    size = int(np.prod(shape, dtype=np.int64))
-    raw = (np.zeros if fill == 0 else np.empty)(size * dtype.itemsize + _ALIGN, np.uint8)
-    skip = -raw.ctypes.data % _ALIGN
-    x = raw[skip:skip + size * dtype.itemsize].view(dtype).reshape(shape)
-    if fill is not None and fill != 0:
-        x.fill(fill)
-    return x
-
-
-def _buffer(scratch, key, shape, dtype):
-    """A scratch array of ``shape`` (C-contiguous, cache-line aligned), reusing this worker's
-    storage."""
-    size = 1
-    for n in shape:
-        size *= n
-    held = scratch.get(key)
-    if held is None or held.size < size or held.dtype != dtype:
-        held = scratch[key] = _aligned(max(size, 1), dtype)
-    return held[:size].reshape(shape)
-
-
 def _rows_contiguous(x):
     """Are the last axis's elements adjacent (any strides elsewhere)? Such blocks go to the
     tile loops as they lie: their GEMMs take each matrix's row stride."""
@@ -208,45 +180,76 @@ class NumpyBackend:
         self.tile_q, self.tile_k = tile_q, tile_k
         self.ops = _ops(kernels)  # tile_ops (NumPy) or cpu_tiles (numba)
         self.workers = Workers(threads)
+        # The converted K/V blocks and the accumulators, kept from call to call, and the
+        # results' storage, recycled once the caller drops them (``workspace``'s docstring
+        # says why); the workers keep their tile scratch.
+        self.workspace, self.outputs = Workspace(), OutputPool()
 
     @property
     def threads(self):
         return self.workers.n
 
+    @property
+    def held_bytes(self):
+        """Bytes of working arrays and scratch kept between calls (``release()`` frees them)."""
+        return self.workspace.nbytes + self.outputs.nbytes + sum(s.nbytes for s in self.workers.scratch)
+
+    def release(self):
+        """Free the working arrays and scratch (allocated again on the next call)."""
+        self.workspace.clear()
+        self.outputs.clear()
+        for s in self.workers.scratch:
+            s.clear()
+
     def _ops_for(self, cd):
         """The compiled loops are float32; float64 (the reference precision) stays on NumPy."""
         return self.ops if cd == np.float32 else tile_ops
 
-    def _widen(self, x, cd):
-        """``x`` in the accumulation dtype with contiguous rows: itself when it already is
-        (the tile loops take any row stride), else converted."""
-        if x.dtype == cd and _rows_contiguous(x):
-            return x
-        if cd == np.float32 and x.dtype.itemsize == 2:
-            return self._ops_for(cd).widen(x)
-        return np.ascontiguousarray(x, dtype=cd)
+    def _convert(self, x, out):
+        """``x`` copied into ``out`` (the accumulation dtype): float16/bfloat16 by the compiled
+        widening where there is one (NumPy's half casts are 4-20x slower)."""
+        if out.dtype == np.float32 and x.dtype.itemsize == 2:
+            return self._ops_for(out.dtype).widen(x, out)
+        np.copyto(out, x)
+        return out
 
-    def _block(self, x, cd):
-        """A key-side block (B, Zkv, C, d) in the accumulation dtype with every (batch, KV
+    def _rows(self, x, cd, scratch, key, copy=False):
+        """A tile's query-side rows (n, d) in the accumulation dtype with contiguous rows:
+        ``x`` itself when it already is (the tile loops take any row stride) and not
+        ``copy``, else converted into this worker's scratch ``key``. The backward copies
+        dO, an operand of two GEMMs a tile (see ``_blocks`` for rows 4 KB apart)."""
+        if x.dtype == cd and _rows_contiguous(x) and not copy:
+            return x
+        return self._convert(x, scratch.array(key, x.shape, cd))
+
+    def _blocks(self, k, v, cd):
+        """The key-side blocks (B, Zkv, C, d) in the accumulation dtype with every (batch, KV
         head) slab C-contiguous: a received packet's rows as they are, else converted once
-        per block (each of its tiles is read by many items). The caller's own K and V
+        per block (each of its tiles is read by many items) into the workspace, a slab per
+        work item on the workers, before the tiles start (converting each head's slabs as
+        its first item needed them, overlapped with the other threads' tiles, measured no
+        faster: the copies compete with the GEMMs for memory). The caller's own K and V
         have rows heads * d apart, 4 KB at 8 heads of 128, so every row of a tile falls in
         the same L1 set: read in place (with the accumulators' rows as far apart) the 8K
         forward ran ~5 % slower than with copies (one thread, alternating runs)."""
-        return x if x.dtype == cd and _slabs_contiguous(x) else np.ascontiguousarray(self._widen(x, cd))
-
-    def _rows_copy(self, x, cd, scratch, key):
-        """A tile's query-side rows (n, d) as a contiguous matrix in this worker's scratch
-        (a GEMM operand; see ``_block`` for why not in place); half dtypes widened."""
-        if x.dtype != cd:
-            return self._widen(x, cd)
-        out = _buffer(scratch, key, x.shape, cd)
-        np.copyto(out, x)
-        return out
+        done, work = [], []
+        for slot, x in (("k", k), ("v", v)):
+            if x.dtype == cd and _slabs_contiguous(x):
+                done.append(x)
+                continue
+            out = self.workspace.array(slot, x.shape, cd)
+            done.append(out)
+            work += [(x[b, z], out[b, z]) for b in range(x.shape[0]) for z in range(x.shape[1])]
+        self.workers.run(work, lambda it, scratch: self._convert(*it))
+        return done
 
     @staticmethod
     def alloc(nbytes):
         return np.empty(nbytes, dtype=np.uint8)
+
+    def output(self, shape, dtype):
+        """A new array for a result the caller keeps (``OutputPool``)."""
+        return self.outputs.empty(shape, dtype)
 
     @staticmethod
     def acc_dtype(dtype):
@@ -265,17 +268,21 @@ class NumpyBackend:
 
     # -- forward ----------------------------------------------------------------------
 
-    def fwd_state(self, B, Zkv, C, g, dv, acc):
-        """Zeroed running state (acc, m, l) for C query tokens."""
-        return (_aligned((B, Zkv, C, g, dv), acc, 0),
-                _aligned((B, Zkv, C, g), acc, -np.inf),
-                _aligned((B, Zkv, C, g), acc, 0))
+    # The running state and the gradient accumulators are workspace slots: the query side's
+    # accumulator is one slot for both phases (a forward's is copied out before it returns).
 
-    @staticmethod
-    def bwd_state(B, Zkv, C, g, d, dv, acc):
-        """Zeroed gradient accumulators {dq, dk, dv}: (B, Zkv, C, g, d), (B, Zkv, C, d), (B, Zkv, C, dv)."""
-        return {"dq": _aligned((B, Zkv, C, g, d), acc, 0), "dk": _aligned((B, Zkv, C, d), acc, 0),
-                "dv": _aligned((B, Zkv, C, dv), acc, 0)}
+    def fwd_state(self, B, Zkv, C, g, dv, acc):
+        """Zeroed running state (acc, m, l) for C query tokens, in the workspace."""
+        ws = self.workspace
+        return (ws.array("q_acc", (B, Zkv, C, g, dv), acc, 0), ws.array("m", (B, Zkv, C, g), acc, -np.inf),
+                ws.array("l", (B, Zkv, C, g), acc, 0))
+
+    def bwd_state(self, B, Zkv, C, g, d, dv, acc):
+        """Zeroed gradient accumulators {dq, dk, dv}: (B, Zkv, C, g, d), (B, Zkv, C, d), (B, Zkv, C, dv),
+        in the workspace."""
+        ws = self.workspace
+        return {"dq": ws.array("q_acc", (B, Zkv, C, g, d), acc, 0), "dk": ws.array("k_acc", (B, Zkv, C, d), acc, 0),
+                "dv": ws.array("v_acc", (B, Zkv, C, dv), acc, 0)}
 
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
         """Merge attention of queries ``q`` over the block (k, v) into ``state``.
@@ -285,20 +292,19 @@ class NumpyBackend:
         ``poll`` runs meanwhile."""
         acc, m, l = state
         B, Zkv, C, g, d = q.shape
-        dv = v.shape[-1]
         cd = acc.dtype
         ops = self._ops_for(cd)
-        k, v = self._block(k, cd), self._block(v, cd)
+        k, v = self._blocks(k, v, cd)
         plan = self._plan(g, qb, kb)
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
 
         def item(it, scratch):
             b, z, r0, r1, tiles = it
             n = (r1 - r0) * g
-            ops.fwd_row(self._widen(q[b, z, r0:r1].reshape(n, d), cd), k[b, z], v[b, z], *tiles, g, scale,
+            ops.fwd_row(self._rows(q[b, z, r0:r1].reshape(n, d), cd, scratch, "q"), k[b, z], v[b, z], *tiles, g, scale,
                         _tile_rows(acc, b, z, r0, r1), _tile_rows(m, b, z, r0, r1), _tile_rows(l, b, z, r0, r1),
-                        _buffer(scratch, "qs", (n * d,), cd), _buffer(scratch, "s", (n * width,), cd),
-                        _buffer(scratch, "alpha", (n,), cd))
+                        scratch.array("qs", (n * d,), cd), scratch.array("s", (n * width,), cd),
+                        scratch.array("alpha", (n,), cd))
 
         # Head by head (the threads then share one head's K and V in cache), each head's
         # longest rows first (a causal mask's last query tiles see the most key tiles), so
@@ -306,7 +312,7 @@ class NumpyBackend:
         # its own rows: the order does not change the result.
         plan = sorted(plan, key=lambda row: -len(row[2][0]))
         items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in plan]
-        self.workers.run(items, item, dict, poll)
+        self.workers.run(items, item, poll)
 
     # -- decode (burstmpi.cache) --------------------------------------------------------
 
@@ -368,7 +374,7 @@ class NumpyBackend:
         dvd = v.shape[-1]
         cd = (dq if dq is not None else dk).dtype
         ops = self._ops_for(cd)
-        k, v = self._block(k, cd), self._block(v, cd)
+        k, v = self._blocks(k, v, cd)
         Ck = k.shape[2]
         plan = self._plan(g, qb, kb)
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
@@ -382,19 +388,20 @@ class NumpyBackend:
                 dk_h = dv_h = None
             elif len(bands) == 1:
                 dk_h, dv_h = dk[b, z], dv[b, z]
-            else:
-                dk_h, dv_h = np.zeros((Ck, d), cd), np.zeros((Ck, dvd), cd)
+            else:  # a band's own partial (the workspace: a worker may run several bands)
+                dk_h = self.workspace.array(("dk", b, z, i), (Ck, d), cd, 0)
+                dv_h = self.workspace.array(("dv", b, z, i), (Ck, dvd), cd, 0)
                 parts[b, z, i] = dk_h, dv_h
             for r0, r1, tiles in band:
                 n = (r1 - r0) * g
-                ops.bwd_row(self._widen(q[b, z, r0:r1].reshape(n, d), cd),
-                            self._rows_copy(do[b, z, r0:r1].reshape(n, dvd), cd, scratch, "do"),
+                ops.bwd_row(self._rows(q[b, z, r0:r1].reshape(n, d), cd, scratch, "q"),
+                            self._rows(do[b, z, r0:r1].reshape(n, dvd), cd, scratch, "do", copy=True),
                             D[b, z, r0:r1].reshape(n).astype(cd, copy=False),
                             lse[b, z, r0:r1].reshape(n).astype(cd, copy=False),
                             k[b, z], v[b, z], *tiles, g, scale,
                             None if dq is None else _tile_rows(dq, b, z, r0, r1), dk_h, dv_h,
-                            _buffer(scratch, "qs", (n * d,), cd), _buffer(scratch, "p", (n * width,), cd),
-                            _buffer(scratch, "ds", (n * width,), cd))
+                            scratch.array("qs", (n * d,), cd), scratch.array("p", (n * width,), cd),
+                            scratch.array("ds", (n * width,), cd))
 
         if self.workers.n == 1:
             # One thread runs a head's rows in order either way; a row per item lets
@@ -402,7 +409,7 @@ class NumpyBackend:
             items = [(b, z, 0, [row]) for b in range(B) for z in range(Zkv) for row in plan]
         else:
             items = [(b, z, i, band) for b in range(B) for z in range(Zkv) for i, band in enumerate(bands) if band]
-        self.workers.run(items, item, dict, poll)
+        self.workers.run(items, item, poll)
         for (b, z, i), (dk_p, dv_p) in sorted(parts.items()):  # band order: deterministic
             dk[b, z] += dk_p
             dv[b, z] += dv_p

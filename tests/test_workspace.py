@@ -1,0 +1,94 @@
+"""The CPU backend's memory kept from call to call (``burstmpi.backends.workspace``): working
+arrays reused without changing results, and results that stay the caller's own.
+
+Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs 2, 3 and 4)."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import burstmpi
+from burstmpi import reference as ref
+from burstmpi.backends.workspace import ALIGN, OutputPool, Workspace
+
+from conftest import NRANKS
+
+
+def test_workspace_slots_are_reused_grown_and_cleared():
+    ws = Workspace()
+    a = ws.array("acc", (3, 5), np.float32, 0)
+    assert a.flags.c_contiguous and a.ctypes.data % ALIGN == 0 and (a == 0).all()
+    a[:] = 7
+    b = ws.array("acc", (5, 3), np.float32)  # the same slot: the same memory
+    assert b.ctypes.data == a.ctypes.data and (b == 7).all()
+    c = ws.array("acc", (4, 4), np.float64, -np.inf)  # more bytes: new storage, filled
+    assert c.nbytes == 128 and (c == -np.inf).all() and ws.nbytes >= 128
+    assert ws.array("other", (2,), np.float32).ctypes.data != c.ctypes.data
+    ws.clear()
+    assert ws.nbytes == 0
+
+
+def test_output_pool_recycles_only_what_no_array_uses():
+    pool = OutputPool(keep=2, smallest=64)
+    a = pool.empty((8, 16), np.float32)
+    assert a.flags.writeable and a.flags.c_contiguous and a.ctypes.data % ALIGN == 0
+    addr, view = a.ctypes.data, a[2:4]
+    del a
+    gc.collect()
+    assert pool.nbytes == 0  # ``view`` still uses the storage
+    fresh = pool.empty((8, 16), np.float32)
+    assert fresh.ctypes.data != addr
+    del view
+    gc.collect()
+    assert pool.nbytes == 512
+    again = pool.empty((16, 8), np.float32)  # the same size: the freed storage
+    assert again.ctypes.data == addr and pool.nbytes == 0
+    more = [pool.empty((8, 16), np.float32) for _ in range(4)]
+    del more, fresh, again
+    gc.collect()
+    assert pool.nbytes == 2 * 512  # at most ``keep`` free blocks of a size
+    small = pool.empty((4,), np.float32)  # under ``smallest``: NumPy's own
+    assert small.base is None
+    pool.clear()
+    assert pool.nbytes == 0
+
+
+def _problem(seed, Zkv):
+    return [burstmpi.shard(x) for x in ref.random_problem(1, 48 * NRANKS, 4, Zkv, 32, seed=seed)]
+
+
+@pytest.mark.parametrize("Zkv", [1, 4])  # one KV head: the working layout is the caller's
+@pytest.mark.parametrize("causal", [False, True])
+def test_results_stay_the_callers_and_reuse_changes_nothing(Zkv, causal):
+    plan = burstmpi.BurstAttention(causal=causal)
+    a, b = _problem(1, Zkv), _problem(2, Zkv)
+    plan.forward(*a[:3])
+    plan.backend.outputs.smallest = 0  # every result from the pool, however small
+
+    def run(p, x):
+        out, lse = p.forward(*x[:3])
+        return (out, lse) + tuple(p.backward(x[3], *x[:3], out, lse))
+
+    first = run(plan, a)
+    kept = [x.copy() for x in first]
+    second = run(plan, b)
+    for x, y in zip(first, kept):
+        assert np.array_equal(x, y), "a later call changed an earlier call's result"
+    # The second call reused working arrays that held the first's values: the same bits
+    # as a plan of its own.
+    for x, y in zip(second, run(burstmpi.BurstAttention(causal=causal), b)):
+        assert np.array_equal(x, y), "reused working arrays changed a result"
+    addrs = {x.ctypes.data for x in first if x.nbytes}
+    del first, x
+    gc.collect()
+    assert plan.backend.outputs.nbytes > 0
+    third = run(plan, a)
+    assert {x.ctypes.data for x in third if x.nbytes} & addrs, "dropped results' storage was not reused"
+    for x, y in zip(third, kept):
+        assert np.array_equal(x, y)
+    assert plan.backend.held_bytes > 0
+    plan.release()
+    assert plan.backend.held_bytes == 0
+    for x, y in zip(third, kept):  # still the caller's after release()
+        assert np.array_equal(x, y)
