@@ -112,9 +112,11 @@ class BurstAttention:
     v, out, lse, cu_seqlens=None)`` returns ``(dq, dk, dv)``; see ``burstmpi.attention``
     for shapes and documents (``cu_seqlens`` is per call: it changes with every batch).
     Both are collective over ``comm``. Double buffers are allocated on first use and kept for
-    calls of the same shapes, and so are the CPU backend's working arrays (its converted K/V
-    blocks and fp32 accumulators, ~5x a rank's q in all; ``backend.held_bytes``), as CuPy's
-    memory pool keeps the GPU's: ``release()`` frees them.
+    calls of the same shapes, and so are the CPU backend's working arrays (converted K/V
+    blocks and fp32 accumulators: ~5x a rank's q with as many KV heads as heads, in
+    float32) and the storage of up to four results the caller has dropped (the CPU
+    backend's ``held_bytes``), as CuPy's memory pool keeps the GPU's: ``release()`` frees
+    them (results dropped later return to the pool).
     """
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,

@@ -1,7 +1,7 @@
 """The CPU backend's memory kept from call to call (``burstmpi.backends.workspace``): working
 arrays reused without changing results, and results that stay the caller's own.
 
-Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs 2, 3 and 4)."""
+Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs 2, 3, 4, 5 and 8)."""
 
 import gc
 
@@ -42,16 +42,32 @@ def test_output_pool_recycles_only_what_no_array_uses():
     del view
     gc.collect()
     assert pool.nbytes == 512
+    other = pool.empty((4, 4), np.float64)  # only a result of its size takes it
     again = pool.empty((16, 8), np.float32)  # the same size: the freed storage
-    assert again.ctypes.data == addr and pool.nbytes == 0
-    more = [pool.empty((8, 16), np.float32) for _ in range(4)]
-    del more, fresh, again
-    gc.collect()
-    assert pool.nbytes == 2 * 512  # at most ``keep`` free blocks of a size
+    assert other.ctypes.data != addr and again.ctypes.data == addr and pool.nbytes == 0
+    del fresh, again, other
     small = pool.empty((4,), np.float32)  # under ``smallest``: NumPy's own
     assert small.base is None
     pool.clear()
     assert pool.nbytes == 0
+
+
+def test_output_pool_holds_at_most_keep_blocks_of_any_sizes():
+    pool = OutputPool(keep=3, smallest=64)
+    sizes = [64 * (i + 1) for i in range(20)]
+    for n in sizes:  # results of ever new sizes (a sweep, varying batches), each dropped
+        pool.empty((n,), np.uint8)
+    gc.collect()
+    assert pool.nbytes == sum(sizes[-3:])  # the latest three
+    kept = [pool.empty((n,), np.uint8) for n in sizes[-3:]]
+    assert pool.nbytes == 0
+    many = [pool.empty((100,), np.uint8) for _ in range(10)]
+    del many  # all dropped before the next call: still bounded
+    gc.collect()
+    assert pool.nbytes == 300
+    del kept
+    gc.collect()
+    assert pool.nbytes == sum(sizes[-3:])
 
 
 def _problem(seed, Zkv):
@@ -92,3 +108,25 @@ def test_results_stay_the_callers_and_reuse_changes_nothing(Zkv, causal):
     assert plan.backend.held_bytes == 0
     for x, y in zip(third, kept):  # still the caller's after release()
         assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_reuse_across_shapes_dtypes_and_threads(dtype, monkeypatch):
+    """Four threads, one KV head (the backward's dK/dV then split into band partials), a
+    long call, a shorter one and the long one again on one plan: every result the bits of a
+    fresh plan's, whatever the workspace held from before."""
+    monkeypatch.setenv("BURSTMPI_THREADS", "4")
+
+    def problem(n, seed):
+        return [burstmpi.shard(x) for x in ref.random_problem(1, n, 4, 1, 32, dtype=dtype, seed=seed)]
+
+    def run(p, x):
+        out, lse = p.forward(*x[:3])
+        return (out, lse) + tuple(p.backward(x[3], *x[:3], out, lse))
+
+    plan = burstmpi.BurstAttention(causal=True)
+    runs = [(x, run(plan, x)) for x in (problem(1536, 1), problem(600, 2), problem(1536, 3))]
+    assert plan.backend.threads == 4
+    for x, got in runs:
+        for a, b in zip(got, run(burstmpi.BurstAttention(causal=True), x)):
+            assert a.shape == b.shape and np.array_equal(a, b, equal_nan=False), "a reused plan's result differs"

@@ -237,9 +237,14 @@ def _widen_f16(src, out):
 
 
 def widen(x, out=None):
-    """``x`` (float16 or bfloat16, any shape) as a new C-contiguous float32 array."""
+    """``x`` (float16 or bfloat16, any shape) as float32: into ``out`` (C-contiguous, of
+    ``x``'s shape) when given, else a new C-contiguous array."""
     x = np.ascontiguousarray(x)
-    out = np.empty(x.shape, np.float32) if out is None else out
+    if out is None:
+        out = np.empty(x.shape, np.float32)
+    elif out.shape != x.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"widen: out must be a C-contiguous float32 array of shape {x.shape}, "
+                         f"got {out.dtype} of shape {out.shape} and strides {out.strides}")
     kernel = _widen_f16 if x.dtype == np.float16 else _widen_bf16
     kernel(x.reshape(-1).view(np.uint16), out.reshape(-1))
     return out

@@ -240,7 +240,8 @@ class NumpyBackend:
             out = self.workspace.array(slot, x.shape, cd)
             done.append(out)
             work += [(x[b, z], out[b, z]) for b in range(x.shape[0]) for z in range(x.shape[1])]
-        self.workers.run(work, lambda it, scratch: self._convert(*it))
+        if work:
+            self.workers.run(work, lambda it, scratch: self._convert(*it))
         return done
 
     @staticmethod
@@ -331,7 +332,8 @@ class NumpyBackend:
         """Return (out, lse) from the running state, normalising ``acc`` in place.
 
         Rows that saw no key give 0 and -inf. ``out`` stays in the accumulation dtype
-        (the ring converts it to ``dtype`` as it copies it into the caller's layout).
+        (the ring converts it to ``dtype`` as it copies it into the caller's layout), and it
+        is the workspace's accumulator: valid until the next ``fwd_state`` or ``bwd_state``.
         """
         acc, m, l = state
         seen = l > 0
@@ -380,18 +382,19 @@ class NumpyBackend:
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
         count = -(-2 * self.workers.n // (B * Zkv)) if self.workers.n > 1 else 1
         bands = _bands(plan, count)
-        parts = {}
+        split = dk is not None and len(bands) > 1
+        if split:  # each band's own dK/dV partial, added in band order afterwards
+            dk_parts = self.workspace.array("dk_parts", (B, Zkv, len(bands), Ck, d), cd, 0)
+            dv_parts = self.workspace.array("dv_parts", (B, Zkv, len(bands), Ck, dvd), cd, 0)
 
         def item(it, scratch):
             b, z, i, band = it
             if dk is None:
                 dk_h = dv_h = None
-            elif len(bands) == 1:
+            elif split:
+                dk_h, dv_h = dk_parts[b, z, i], dv_parts[b, z, i]
+            else:
                 dk_h, dv_h = dk[b, z], dv[b, z]
-            else:  # a band's own partial (the workspace: a worker may run several bands)
-                dk_h = self.workspace.array(("dk", b, z, i), (Ck, d), cd, 0)
-                dv_h = self.workspace.array(("dv", b, z, i), (Ck, dvd), cd, 0)
-                parts[b, z, i] = dk_h, dv_h
             for r0, r1, tiles in band:
                 n = (r1 - r0) * g
                 ops.bwd_row(self._rows(q[b, z, r0:r1].reshape(n, d), cd, scratch, "q"),
@@ -410,6 +413,10 @@ class NumpyBackend:
         else:
             items = [(b, z, i, band) for b in range(B) for z in range(Zkv) for i, band in enumerate(bands) if band]
         self.workers.run(items, item, poll)
-        for (b, z, i), (dk_p, dv_p) in sorted(parts.items()):  # band order: deterministic
-            dk[b, z] += dk_p
-            dv[b, z] += dv_p
+        if split:
+            for b in range(B):
+                for z in range(Zkv):
+                    for i, band in enumerate(bands):  # band order: deterministic
+                        if band:
+                            dk[b, z] += dk_parts[b, z, i]
+                            dv[b, z] += dv_parts[b, z, i]

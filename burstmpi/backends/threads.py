@@ -76,7 +76,8 @@ class Workers:
 
     The threads of every ``Workers(n)`` of one size are one pool per process (started on
     first use), so plans do not each hold idle threads of their own. Each ``Workers`` keeps
-    one ``Workspace`` of scratch per thread, ``scratch``, from run to run."""
+    one ``Workspace`` of scratch per thread, ``scratch``, from run to run: its runs must not
+    overlap (a backend runs one at a time)."""
 
     def __init__(self, n):
         self.n = max(1, int(n))

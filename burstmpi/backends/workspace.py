@@ -49,8 +49,9 @@ class Workspace:
 
     ``array(slot, shape, dtype)`` returns a C-contiguous view of the slot's storage, which
     is reallocated only when a call needs more bytes than it holds. Two arrays of one slot
-    are the same memory: a slot is one role (the converted K of the current block, the
-    query-side accumulator), and whoever asks for it again is done with what it held."""
+    are the same memory: a slot is one role at a time (the converted K of the current
+    block; the query side's accumulator, the forward's and then the backward's dq), and
+    whoever asks for it again is done with what it held."""
 
     def __init__(self):
         self._slots = {}
@@ -71,7 +72,7 @@ class Workspace:
     @property
     def nbytes(self):
         """Bytes held."""
-        return sum(x.nbytes for x in self._slots.values())
+        return sum(x.nbytes for x in list(self._slots.values()))
 
     def clear(self):
         """Free everything (slots are allocated again on their next use)."""
@@ -105,16 +106,17 @@ class OutputPool:
     module's docstring: 40-80 ms of page faults per 32 MB output on the VM measured, while
     the copy into it takes ~10). An array from ``empty`` is an ordinary writeable NumPy
     array whose base owns the storage; only when no array uses it any more does the
-    storage return here, so nothing the caller can still see is ever reused. At most
-    ``keep`` free blocks of each size are held (one call's outputs: out, or dq, dk and
-    dv); ``clear()`` frees them. Blocks under ``smallest`` bytes come from NumPy as usual:
-    glibc reuses those itself."""
+    storage return here, so nothing the caller can still see is ever reused. The pool
+    holds at most ``keep`` free blocks in all (one call's results: out, or dq, dk and dv),
+    the latest given back, and hands one out only for a result of exactly its size;
+    ``clear()`` frees them. Blocks under ``smallest`` bytes come from NumPy as usual: glibc
+    reuses those itself."""
 
     def __init__(self, keep=4, smallest=1 << 20):
-        self.keep, self.smallest = keep, smallest
-        self._free, self._lock = {}, threading.Lock()  # nbytes -> storage; under the lock
-        # Storage given back, from ``_Lease.__del__``: that runs on any thread at any time
-        # (the cyclic GC, inside this class's own locked code too), so it only appends here.
+        self.keep, self.smallest = max(1, keep), smallest
+        self._free, self._lock = [], threading.Lock()  # oldest first; under the lock
+        # Storage given back by ``_Lease.__del__``, which runs on any thread at any time (the
+        # cyclic GC, inside this class's own locked code too), so it only appends here.
         self._returned = collections.deque()
 
     def empty(self, shape, dtype):
@@ -123,34 +125,45 @@ class OutputPool:
         nbytes = _nbytes(shape, dtype)
         if nbytes < max(self.smallest, 1):
             return np.empty(shape, dtype)
+        mem = None
         with self._lock:
             self._sort()
-            free = self._free.get(nbytes)
-            mem = free.pop() if free else None
+            for i, held in enumerate(self._free):
+                if held.nbytes == nbytes:
+                    mem = self._free.pop(i)
+                    break
         if mem is None:
             mem = aligned(nbytes)
         return np.asarray(_Lease(mem, self)).view(dtype).reshape(shape)
 
     def _give_back(self, mem):
-        if len(self._returned) < self.keep:
-            self._returned.append(mem)
+        returned = self._returned
+        returned.append(mem)
+        while len(returned) > self.keep:  # what waits for the next call stays bounded too
+            try:
+                returned.popleft()
+            except IndexError:
+                break
 
     def _sort(self):
-        """File the storage given back by size (with the lock held)."""
-        while self._returned:
-            mem = self._returned.popleft()
-            free = self._free.setdefault(mem.nbytes, [])
-            if len(free) < self.keep:
-                free.append(mem)
+        """Move the storage given back to the free list, keeping the latest ``keep`` (with
+        the lock held)."""
+        while True:
+            try:
+                self._free.append(self._returned.popleft())
+            except IndexError:
+                break
+        del self._free[:max(0, len(self._free) - self.keep)]
 
     @property
     def nbytes(self):
         """Bytes held, free for the next results."""
         with self._lock:
             self._sort()
-            return sum(m.nbytes for free in self._free.values() for m in free)
+            return sum(m.nbytes for m in self._free)
 
     def clear(self):
+        """Free the blocks held (results still in use come back when they are dropped)."""
         with self._lock:
             self._returned.clear()
             self._free.clear()
