@@ -29,9 +29,10 @@ itself is private to it: switched to its sequential layer (the tile threads each
 one-threaded GEMMs) and to conditional numerical reproducibility (CNR, branch ``AUTO``: the
 best code for this CPU, bitwise the same run to run at a fixed thread count, which a
 sequential library always has, whatever the arrays' alignment). Not its ``STRICT`` mode:
-that only adds results independent of the thread count, and it cost 5 % of the forward
-and 8 % of the backward (8K tokens, two tile threads, alternating processes on the
-AVX-512 Xeon: 908 against 862 ms, 2320 against 2120). A oneMKL that NumPy already loaded
+that only adds results independent of the thread count, and it cost 6 % of the forward
+and 10 % of the backward (8K tokens, 8 heads, two tile threads, three processes each way,
+alternating, on the AVX-512 Xeon: 903 against 849 ms, 2317 against 2089). A oneMKL that
+NumPy already loaded
 (a conda NumPy) is NumPy's: used as it is, one thread per tile thread like any BLAS.
 """
 
