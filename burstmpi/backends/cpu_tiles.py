@@ -221,7 +221,7 @@ def _operands(names, arrays, inputs):
 
 def fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, qs, s, alpha):
     """One query tile over its key tiles, merged into (acc, m, l) in place."""
-    q, k, v, acc, m, l = _operands("q k v acc m l".split(), (q, k, v, acc, m, l), "qkv")
+    q, k, v, acc, m, l = _operands("q k v acc m l".split(), (q, k, v, acc, m, l), ("q", "k", "v"))
     _fwd_row(q, k, v, c0, c1, iv, lo, hi, g, np.float32(scale), acc, m, l, qs, s, alpha)
 
 

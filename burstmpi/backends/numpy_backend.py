@@ -191,11 +191,13 @@ class NumpyBackend:
 
     @property
     def held_bytes(self):
-        """Bytes of working arrays and scratch kept between calls (``release()`` frees them)."""
+        """Bytes kept between calls: working arrays, the workers' scratch and the free blocks
+        of the output pool (``release()`` frees them)."""
         return self.workspace.nbytes + self.outputs.nbytes + sum(s.nbytes for s in self.workers.scratch)
 
     def release(self):
-        """Free the working arrays and scratch (allocated again on the next call)."""
+        """Free the working arrays, scratch and pooled output blocks (allocated again on the
+        next call)."""
         self.workspace.clear()
         self.outputs.clear()
         for s in self.workers.scratch:
