@@ -118,20 +118,21 @@ def _rows(x, Zkv):
     return x.reshape(B, C, Zkv, Z // Zkv, d).transpose(0, 2, 1, 3, 4)
 
 
-def _from_rows(be, x, dtype):
-    """(B, Zkv, C, g, d) -> a new C-contiguous (B, C, Z, d) array of ``dtype`` (``be.output``).
-    Always a copy, even where the layouts agree (one KV head): the backends' accumulators
-    are their reused workspace, and what the caller gets must be its own."""
+def _from_rows(be, x, dtype, scale=None):
+    """(B, Zkv, C, g, d) -> a new C-contiguous (B, C, Z, d) array of ``dtype`` (``be.output``),
+    times ``scale`` if given, written by ``be.store``. Always a copy, even where the layouts
+    agree (one KV head): the backends' accumulators are their reused workspace, and what
+    the caller gets must be its own."""
     B, Zkv, C, g, d = x.shape
     out = be.output((B, C, Zkv, g, d), dtype)
-    out[...] = x.transpose(0, 2, 1, 3, 4)
+    be.store(out.transpose(0, 2, 1, 3, 4), x, scale)
     return out.reshape(B, C, Zkv * g, d)
 
 
 def _from_kv(be, x, dtype):
     """(B, Zkv, C, d) -> a new C-contiguous (B, C, Zkv, d) array of ``dtype`` (as ``_from_rows``)."""
     out = be.output((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), dtype)
-    out[...] = x.transpose(0, 2, 1, 3)
+    be.store(out.transpose(0, 2, 1, 3), x)
     return out
 
 
@@ -161,10 +162,11 @@ def key_operands(k, v):
 def finish_forward(be, state, dtype, dims):
     """(out, lse) in the caller's layouts from the running state (which it consumes)."""
     B, C, Z = dims[:3]
-    out_rows, lse_rows = be.fwd_finalize(state, dtype)
-    out = _from_rows(be, out_rows, dtype)
-    del out_rows
-    return out, be.xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
+    _, Zkv, _, g, dv = state[0].shape
+    # A new array in the caller's layout, which the backend normalises the rows into.
+    out = be.output((B, C, Zkv, g, dv), dtype)
+    _, lse_rows = be.fwd_finalize(state, dtype, out=out.transpose(0, 2, 1, 3, 4))
+    return out.reshape(B, C, Z, dv), be.xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
 
 
 def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
@@ -186,8 +188,7 @@ def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
 def finish_gradients(be, grads, dtype, scale):
     """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied:
     they are the backend's, and a backend may drop or reuse each once it is copied)."""
-    grads["dq"] *= grads["dq"].dtype.type(scale)
-    dq = _from_rows(be, grads.pop("dq"), dtype)
+    dq = _from_rows(be, grads.pop("dq"), dtype, scale)
     dk = _from_kv(be, grads.pop("dk"), dtype)
     dvv = _from_kv(be, grads.pop("dv"), dtype)
     return dq, dk, dvv

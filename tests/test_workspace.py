@@ -10,7 +10,9 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
+from burstmpi.backends.numpy_backend import NumpyBackend
 from burstmpi.backends.workspace import ALIGN, OutputPool, Workspace
+from burstmpi.interop import bfloat16
 
 from conftest import NRANKS
 
@@ -130,3 +132,25 @@ def test_reuse_across_shapes_dtypes_and_threads(dtype, monkeypatch):
     for x, got in runs:
         for a, b in zip(got, run(burstmpi.BurstAttention(causal=True), x)):
             assert a.shape == b.shape and np.array_equal(a, b, equal_nan=False), "a reused plan's result differs"
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16])
+def test_store_and_zeros_match_numpy_in_one_pass(threads, dtype):
+    """``store`` writes an accumulator into a strided view of the caller's layout, a range
+    of tokens per worker item (a ragged last range here): the bits of scaling, dividing or
+    copying in float32 and rounding once, as NumPy does. ``_zeros`` clears a reused slot."""
+    be = NumpyBackend(threads=threads)
+    B, Zkv, C, g, d = 2, 3, 1237, 2, 40
+    rng = np.random.default_rng(0)
+    src = rng.standard_normal((B, Zkv, C, g, d), dtype=np.float32)
+    div = rng.random((B, Zkv, C, g), dtype=np.float32) + 0.5
+    for how, want in (({"scale": 0.37}, src * np.float32(0.37)), ({"divisor": div}, src / div[..., None]),
+                      ({}, src)):
+        out = np.full((B, C, Zkv, g, d), np.nan, dtype)
+        be.store(out.transpose(0, 2, 1, 3, 4), src, **how)
+        expect = want.astype(dtype).transpose(0, 2, 1, 3, 4)
+        assert np.array_equal(out.view(np.uint8), np.ascontiguousarray(expect).view(np.uint8)), how
+    be.workspace.array("k_acc", (B, Zkv, C, d), np.float32).fill(np.nan)
+    zeros = be.bwd_state(B, Zkv, C, g, d, d, np.float32)
+    assert all((x == 0).all() for x in zeros.values())

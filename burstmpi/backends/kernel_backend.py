@@ -165,16 +165,25 @@ class KernelBackend:
         if poll is not None:
             poll()
 
-    def fwd_finalize(self, state, dtype):
+    def fwd_finalize(self, state, dtype, out=None):
+        """(out, lse) from the running state; the kernel writes ``out`` through its strides,
+        so a view of the caller's layout (the ring's) takes the result directly."""
         acc, m, l = state
         B, Zkv, C, g, dv = acc.shape
-        out = self.xp.empty(acc.shape, dtype)
+        out = self.xp.empty(acc.shape, dtype) if out is None else out
         lse = self.xp.empty(m.shape, np.float32)
         self._run(kernels.fwd_finalize(
             _dtype_name(dtype), dv, out=self._grouped(out), lse=self._grouped(lse),
             acc=self._grouped(acc), m=self._grouped(m), l=self._grouped(l), batch=B, c=C,
             heads=Zkv * g, kv_heads=Zkv))
         return out, lse
+
+    def store(self, dst, src, scale=None):
+        """``dst[...] = src`` (times ``scale``, applied to ``src`` in place: the ring's dq
+        accumulator, not needed afterwards)."""
+        if scale is not None:
+            src *= src.dtype.type(scale)
+        dst[...] = src
 
     def bwd_preprocess(self, dout, out, Zkv, acc):
         """D = rowsum(dout * out) as (B, Zkv, C, g) fp32, from (B, C, Z, dv) arrays."""

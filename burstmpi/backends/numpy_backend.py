@@ -277,15 +277,54 @@ class NumpyBackend:
     def fwd_state(self, B, Zkv, C, g, dv, acc):
         """Zeroed running state (acc, m, l) for C query tokens, in the workspace."""
         ws = self.workspace
-        return (ws.array("q_acc", (B, Zkv, C, g, dv), acc, 0), ws.array("m", (B, Zkv, C, g), acc, -np.inf),
+        return (self._zeros("q_acc", (B, Zkv, C, g, dv), acc), ws.array("m", (B, Zkv, C, g), acc, -np.inf),
                 ws.array("l", (B, Zkv, C, g), acc, 0))
 
     def bwd_state(self, B, Zkv, C, g, d, dv, acc):
         """Zeroed gradient accumulators {dq, dk, dv}: (B, Zkv, C, g, d), (B, Zkv, C, d), (B, Zkv, C, dv),
         in the workspace."""
-        ws = self.workspace
-        return {"dq": ws.array("q_acc", (B, Zkv, C, g, d), acc, 0), "dk": ws.array("k_acc", (B, Zkv, C, d), acc, 0),
-                "dv": ws.array("v_acc", (B, Zkv, C, dv), acc, 0)}
+        return {"dq": self._zeros("q_acc", (B, Zkv, C, g, d), acc), "dk": self._zeros("k_acc", (B, Zkv, C, d), acc),
+                "dv": self._zeros("v_acc", (B, Zkv, C, dv), acc)}
+
+    # -- passes over whole blocks, on the workers ------------------------------------------
+
+    def _by_tokens(self, x, fn):
+        """``fn(lo, hi)`` for ranges of tokens (axis 2 of the (B, Zkv, C, ...) array ``x``,
+        about a megabyte each) on the workers: the sweeps of a whole block outside the tile
+        loops (zeroing, copying results out) take the rank's cores too, and a range of
+        tokens of every head at once writes a result in the caller's (B, C, heads, d) layout
+        contiguously (one head's rows lie heads * d apart there)."""
+        C = x.shape[2]
+        self._spans(C, max(1, (1 << 20) // max(1, x.nbytes // max(C, 1))), fn)
+
+    def _spans(self, n, per, fn):
+        """``fn(lo, hi)`` for ranges of ``per`` of ``range(n)``, on the workers."""
+        self.workers.run([(lo, min(n, lo + per)) for lo in range(0, n, per)], lambda span, scratch: fn(*span))
+
+    def _zeros(self, slot, shape, dtype):
+        x = self.workspace.array(slot, shape, dtype)
+        self._by_tokens(x, lambda lo, hi: x[:, :, lo:hi].fill(0))
+        return x
+
+    def store(self, dst, src, scale=None, divisor=None):
+        """``dst[...] = src`` times ``scale``, or divided by ``divisor`` (one value per row:
+        ``src.shape[:-1]``), in ``dst``'s dtype: one pass, on the workers. ``dst`` may have
+        any strides (the ring gives a view of the caller's layout); the arithmetic is in
+        ``src``'s dtype, then rounded once to ``dst``'s, as an in-place scale and a copy
+        would."""
+        if scale is not None:
+            scale = src.dtype.type(scale)
+
+        def part(lo, hi):
+            s, o = src[:, :, lo:hi], dst[:, :, lo:hi]
+            if divisor is not None:
+                np.divide(s, divisor[:, :, lo:hi, ..., None], out=o, casting="unsafe")
+            elif scale is not None:
+                np.multiply(s, scale, out=o, casting="unsafe")
+            else:
+                np.copyto(o, s, casting="unsafe")
+
+        self._by_tokens(src, part)
 
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
         """Merge attention of queries ``q`` over the block (k, v) into ``state``.
@@ -329,34 +368,39 @@ class NumpyBackend:
         """Merge normalised partials in a fixed order (``numpy_decode.combine``)."""
         numpy_decode.combine(parts_out, parts_lse, out, lse)
 
-    @staticmethod
-    def fwd_finalize(state, dtype):
-        """Return (out, lse) from the running state, normalising ``acc`` in place.
+    def fwd_finalize(self, state, dtype, out=None):
+        """Return (out, lse) from the running state; rows that saw no key give 0 and -inf.
 
-        Rows that saw no key give 0 and -inf. ``out`` stays in the accumulation dtype
-        (the ring converts it to ``dtype`` as it copies it into the caller's layout), and it
-        is the workspace's accumulator: valid until the next ``fwd_state`` or ``bwd_state``.
+        With ``out`` (B, Zkv, C, g, dv), of any strides (the ring passes a view of the
+        caller's layout), the normalised rows are written there in its dtype, in one pass
+        on the workers. Without, ``acc`` is normalised in place and returned: the
+        accumulation dtype, and the workspace's array, valid until the next ``fwd_state``
+        or ``bwd_state``.
         """
         acc, m, l = state
         seen = l > 0
         l_safe = np.where(seen, l, 1)
-        acc /= l_safe[..., None]  # in place: the accumulator becomes the output
+        if out is None:
+            acc /= l_safe[..., None]
+            out = acc
+        else:
+            self.store(out, acc, divisor=l_safe)
         lse = np.where(seen, m + np.log(l_safe), -np.inf)
-        return acc, lse
+        return out, lse
 
     # -- backward ---------------------------------------------------------------------
 
-    @staticmethod
-    def bwd_preprocess(dout, out, Zkv, acc):
+    def bwd_preprocess(self, dout, out, Zkv, acc):
         """D = rowsum(dout * out) as (B, Zkv, C, g), from (B, C, Z, dv) arrays; a few
-        hundred tokens at a time, so the products are a small temporary, not one as large
-        as ``out`` in fresh memory (each row's sum is the same either way)."""
+        hundred tokens at a time on the workers, so the products are small temporaries,
+        not one as large as ``out`` in fresh memory (each row's sum is the same either way)."""
         B, C, Z, dv = dout.shape
         D = np.empty((B, C, Z), acc)
-        step = max(1, (1 << 18) // max(1, B * Z * dv))
-        for c in range(0, C, step):
-            D[:, c:c + step] = (dout[:, c:c + step].astype(acc, copy=False)
-                                * out[:, c:c + step].astype(acc, copy=False)).sum(axis=-1)
+
+        def part(lo, hi):
+            D[:, lo:hi] = (dout[:, lo:hi].astype(acc, copy=False) * out[:, lo:hi].astype(acc, copy=False)).sum(axis=-1)
+
+        self._spans(C, max(1, (1 << 18) // max(1, B * Z * dv)), part)
         return D.reshape(B, C, Zkv, Z // Zkv).transpose(0, 2, 1, 3)
 
     def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qb, kb, scale, poll=None):
