@@ -160,7 +160,8 @@ def key_operands(k, v):
 
 
 def finish_forward(be, state, dtype, dims):
-    """(out, lse) in the caller's layouts from the running state (which it consumes)."""
+    """(out, lse) in the caller's layouts from the running state (the backend may reuse it
+    afterwards)."""
     B, C, Z = dims[:3]
     _, Zkv, _, g, dv = state[0].shape
     # A new array in the caller's layout, which the backend normalises the rows into.

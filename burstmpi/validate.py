@@ -16,7 +16,7 @@ import numpy as np
 from .layout import LAYOUTS
 
 __all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "check_window", "check_options",
-           "check_forward", "check_backward", "check_cu_seqlens", "check_lengths", "agree",
+           "check_forward", "check_backward", "check_cu_seqlens", "check_lengths", "check_out", "agree",
            "report", "checksum",
            "fingerprint", "global_layout"]
 
@@ -106,6 +106,14 @@ def check_backward(fn, dout, q, k, v, out, lse, lse_dtype):
     if _dtype_name(lse) not in ("float32", "float64"):
         raise TypeError(f"{fn}: lse.dtype: expected {lse_dtype} (as returned by the forward), got {lse.dtype}")
     return dims
+
+
+def check_out(fn, out, shape, dtype):
+    """An ``out`` array given to ``fn`` must be what it writes there: ``shape`` of ``dtype``
+    (``None``: ``fn`` makes its own)."""
+    if out is not None and (_shape(out) != tuple(shape) or out.dtype != np.dtype(dtype)):
+        raise ValueError(f"{fn}: out: expected shape {tuple(shape)} and dtype {np.dtype(dtype)}, "
+                         f"got shape {_shape(out)} and dtype {out.dtype}")
 
 
 def check_cu_seqlens(fn, cu_seqlens, seqlen=None):

@@ -135,22 +135,35 @@ def test_reuse_across_shapes_dtypes_and_threads(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16])
-def test_store_and_zeros_match_numpy_in_one_pass(threads, dtype):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16, np.float64])
+@pytest.mark.parametrize("C", [1237, 0])
+def test_store_and_zeros_match_numpy_in_one_pass(threads, dtype, C):
     """``store`` writes an accumulator into a strided view of the caller's layout, a range
     of tokens per worker item (a ragged last range here): the bits of scaling, dividing or
-    copying in float32 and rounding once, as NumPy does. ``_zeros`` clears a reused slot."""
+    copying in the accumulation dtype and rounding once, as NumPy does; ``fwd_finalize``
+    writes its normalised rows that way and refuses an ``out`` it would not fill exactly.
+    ``_zeros`` clears a reused slot. A rank may hold no token (C = 0)."""
     be = NumpyBackend(threads=threads)
-    B, Zkv, C, g, d = 2, 3, 1237, 2, 40
+    B, Zkv, g, d = 2, 3, 2, 40
+    acc = np.float64 if dtype == np.float64 else np.float32
     rng = np.random.default_rng(0)
-    src = rng.standard_normal((B, Zkv, C, g, d), dtype=np.float32)
-    div = rng.random((B, Zkv, C, g), dtype=np.float32) + 0.5
-    for how, want in (({"scale": 0.37}, src * np.float32(0.37)), ({"divisor": div}, src / div[..., None]),
-                      ({}, src)):
+    src = rng.standard_normal((B, Zkv, C, g, d)).astype(acc)
+    div = rng.random((B, Zkv, C, g)).astype(acc) + 0.5
+    for how, want in (({"scale": 0.37}, src * acc(0.37)), ({"divisor": div}, src / div[..., None]), ({}, src)):
         out = np.full((B, C, Zkv, g, d), np.nan, dtype)
         be.store(out.transpose(0, 2, 1, 3, 4), src, **how)
         expect = want.astype(dtype).transpose(0, 2, 1, 3, 4)
         assert np.array_equal(out.view(np.uint8), np.ascontiguousarray(expect).view(np.uint8)), how
-    be.workspace.array("k_acc", (B, Zkv, C, d), np.float32).fill(np.nan)
-    zeros = be.bwd_state(B, Zkv, C, g, d, d, np.float32)
+    state = (src.copy(), np.zeros((B, Zkv, C, g), acc), div.copy())
+    out = np.full((B, C, Zkv, g, d), np.nan, dtype)
+    got, lse = be.fwd_finalize(state, dtype, out=out.transpose(0, 2, 1, 3, 4))
+    assert (C == 0 or np.shares_memory(got, out)) and np.array_equal(state[0], src), \
+        "fwd_finalize(out=) must write out and leave the accumulator alone"
+    expect = (src / div[..., None]).astype(dtype).transpose(0, 2, 1, 3, 4)
+    assert np.array_equal(out.view(np.uint8), np.ascontiguousarray(expect).view(np.uint8))
+    assert np.array_equal(lse, np.log(div))
+    with pytest.raises(ValueError, match=r"fwd_finalize: out: expected shape .* got shape"):
+        be.fwd_finalize(state, dtype, out=out)  # the caller's layout itself, not the view
+    be.workspace.array("k_acc", (B, Zkv, C, d), acc).fill(np.nan)
+    zeros = be.bwd_state(B, Zkv, C, g, d, d, acc)
     assert all((x == 0).all() for x in zeros.values())

@@ -2,8 +2,9 @@
 
 A backend provides ``xp`` (the array module), ``alloc(nbytes)``, ``output(shape, dtype)``
 and ``acc_dtype``, the local work of a ring step: ``fwd_state``, ``fwd_block``,
-``fwd_finalize``, ``bwd_preprocess``, ``bwd_state``, ``bwd_block`` and ``store`` (an
-accumulator into a result in the caller's layout), and that of a decode
+``fwd_finalize``, ``bwd_preprocess``, ``bwd_state``, ``bwd_block`` and ``store(dst, src,
+scale=None)`` (an accumulator the ring is done with, times ``scale``, into a result in the
+caller's layout), and that of a decode
 (``burstmpi.cache``): ``decode`` (new queries over a cache shard, a normalised partial) and
 ``combine`` (partials merged in a fixed order). The ring algorithm in ``burstmpi.ring``
 and the cache are written once against this interface. ``NumpyBackend`` computes on the CPU: its tile

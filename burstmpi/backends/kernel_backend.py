@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import kernels
 from ..interop import bfloat16
+from ..validate import check_out
 
 __all__ = ["KernelBackend"]
 
@@ -170,6 +171,7 @@ class KernelBackend:
         so a view of the caller's layout (the ring's) takes the result directly."""
         acc, m, l = state
         B, Zkv, C, g, dv = acc.shape
+        check_out("fwd_finalize", out, acc.shape, dtype)  # the kernel writes dtype's elements through a raw pointer
         out = self.xp.empty(acc.shape, dtype) if out is None else out
         lse = self.xp.empty(m.shape, np.float32)
         self._run(kernels.fwd_finalize(
@@ -179,8 +181,8 @@ class KernelBackend:
         return out, lse
 
     def store(self, dst, src, scale=None):
-        """``dst[...] = src`` (times ``scale``, applied to ``src`` in place: the ring's dq
-        accumulator, not needed afterwards)."""
+        """``dst[...] = src`` times ``scale``, in ``dst``'s dtype. ``src`` is an accumulator
+        the ring is done with: the scale is applied to it in place, then copied."""
         if scale is not None:
             src *= src.dtype.type(scale)
         dst[...] = src

@@ -23,7 +23,8 @@ The GEMMs are BLAS's. A query tile's loop over its key tiles is ``self.ops``'s
 ``fwd_row`` / ``bwd_row``: compiled with numba in ``cpu_tiles`` (BLAS called from machine
 code, fused elementwise sweeps between the GEMMs) or in NumPy in ``tile_ops``
 (``BURSTMPI_CPU_KERNELS``); this module plans the tiles and hands them out. Work items (a
-query tile of one batch and KV head, or in the backward a band of them) run on
+query tile of one batch and KV head, or in the backward a band of them; for the sweeps
+over whole blocks, zeroing and writing results out, a range of tokens) run on
 ``threads`` threads (``threads.Workers``), each writing only its own rows in a fixed tile
 order: results are bitwise reproducible.
 """
@@ -32,6 +33,7 @@ import numpy as np
 
 from ..config import settings
 from ..masks import EMPTY, PARTIAL, classify_tiles
+from ..validate import check_out
 from . import numpy_decode, tile_ops
 from .threads import Workers
 from .workspace import OutputPool, Workspace
@@ -292,8 +294,8 @@ class NumpyBackend:
         """``fn(lo, hi)`` for ranges of tokens (axis 2 of the (B, Zkv, C, ...) array ``x``,
         about a megabyte each) on the workers: the sweeps of a whole block outside the tile
         loops (zeroing, copying results out) take the rank's cores too, and a range of
-        tokens of every head at once writes a result in the caller's (B, C, heads, d) layout
-        contiguously (one head's rows lie heads * d apart there)."""
+        tokens of every head at once is one contiguous run of each batch entry of a result in
+        the caller's (B, C, heads, d) layout (one head's rows lie heads * d apart there)."""
         C = x.shape[2]
         self._spans(C, max(1, (1 << 20) // max(1, x.nbytes // max(C, 1))), fn)
 
@@ -307,11 +309,11 @@ class NumpyBackend:
         return x
 
     def store(self, dst, src, scale=None, divisor=None):
-        """``dst[...] = src`` times ``scale``, or divided by ``divisor`` (one value per row:
-        ``src.shape[:-1]``), in ``dst``'s dtype: one pass, on the workers. ``dst`` may have
-        any strides (the ring gives a view of the caller's layout); the arithmetic is in
-        ``src``'s dtype, then rounded once to ``dst``'s, as an in-place scale and a copy
-        would."""
+        """``dst[...] = src`` times ``scale``, in ``dst``'s dtype: one pass, on the workers
+        (the backends' interface). ``dst`` may have any strides (the ring gives a view of
+        the caller's layout); the arithmetic is in ``src``'s dtype, then rounded once to
+        ``dst``'s, as an in-place scale and a copy would. ``divisor`` (one value per row,
+        ``src.shape[:-1]``) divides instead: ``fwd_finalize``'s normalisation."""
         if scale is not None:
             scale = src.dtype.type(scale)
 
@@ -378,6 +380,7 @@ class NumpyBackend:
         or ``bwd_state``.
         """
         acc, m, l = state
+        check_out("fwd_finalize", out, acc.shape, dtype)
         seen = l > 0
         l_safe = np.where(seen, l, 1)
         if out is None:

@@ -4,10 +4,11 @@ A tile's work is two or five GEMMs and a few elementwise sweeps; each is too sma
 BLAS to split well over threads (OpenBLAS reaches 85-100 GFLOP/s on two threads for a
 256 x 512 x 128 tile, where two tiles on two threads of one-threaded BLAS reach 123,
 measured on a 2-core EPYC). So the backend runs whole work items (a query tile of one
-KV head against the block, or a band of them in the backward) on ``n`` threads, each
-with one-threaded BLAS, and the compiled elementwise kernels release the GIL as NumPy's
-GEMMs do. An item writes only its own rows, and its tiles run in a fixed order, so the
-result does not depend on which thread ran what.
+KV head against the block, or a band of them in the backward; outside the tile loops, a
+range of tokens of a whole-block sweep) on ``n`` threads, each with one-threaded BLAS,
+and the compiled elementwise kernels release the GIL as NumPy's GEMMs do. An item writes
+only its own rows, and its tiles run in a fixed order, so the result does not depend on
+which thread ran what.
 
 ``n`` is the cores this process may use divided by the ranks on its node
 (``BURSTMPI_THREADS`` overrides it), so ranks never oversubscribe their node; with one
