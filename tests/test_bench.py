@@ -1,6 +1,7 @@
 """burstmpi-bench: output conventions, JSON, and a non-zero exit on wrong results."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from click.testing import CliRunner
 
 import burstmpi
 from burstmpi.bench import COLUMNS, flops, main, parse_size
+from burstmpi.bench.binding import core_for
 
 from conftest import NRANKS, RANK
 
@@ -24,8 +26,10 @@ def test_sizes_and_flops():
 
 def test_bench_table_json_and_exit_code(tmp_path):
     path = tmp_path / "rows.json"
+    placement = os.sched_getaffinity(0)
     res = CliRunner().invoke(main, SMALL + ["-l", "all", "-J", str(path)])
     assert res.exit_code == 0, res.output + repr(res.exception)
+    assert os.sched_getaffinity(0) == placement, "the bench left this process pinned"
     if RANK == 0:
         lines = res.output.splitlines()
         data = [l for l in lines if l and not l.startswith("#")]
@@ -42,6 +46,18 @@ def test_bench_table_json_and_exit_code(tmp_path):
         kern = [l for l in lines if l.startswith("#  CPU kernels: ")]
         assert len(kern) == 1 and "tile thread(s) per rank" in kern[0]
         assert "numba" in kern[0] and " s on first use" in kern[0] or "NumPy" in kern[0]
+        bind = [l for l in lines if l.startswith("#  Binding: ")]
+        assert len(bind) == 1 and ("pinned to core i mod" in bind[0]) == (NRANKS > len(placement))
+
+
+def test_ranks_are_pinned_only_when_they_outnumber_unbound_cores():
+    """Rank i of a node to core i mod cores, as ``mpiexec -bind-to core`` does, and only
+    when the launcher left every rank the same cores and there are more ranks than cores."""
+    two = frozenset({4, 7})
+    assert [core_for([two] * 4, r) for r in range(4)] == [4, 7, 4, 7]
+    assert core_for([two] * 3, 2) == 4
+    assert core_for([two] * 2, 0) is None                               # as many cores as ranks
+    assert core_for([frozenset({4}), frozenset({7}), frozenset({4})], 0) is None  # the launcher bound them
 
 
 def _break_forward(real):

@@ -54,6 +54,9 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
 @click.option("--trace-memory", is_flag=True,
               help="Trace NumPy allocations: exact peak array bytes per rank and phase.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--bind", default="auto", show_default=True, type=click.Choice(["auto", "none"]),
+              help="auto: when a node's ranks outnumber its cores and the launcher left them unbound, pin "
+                   "rank i of the node to core i mod cores (as mpiexec -bind-to core); none: as launched.")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "numpy", "cuda"]),
               help="Where the arrays live: auto = the GPU when every rank has one, else the host.")
 @click.option("--transport", default="auto", show_default=True, type=click.Choice(["auto", "nccl", "mpi"]),

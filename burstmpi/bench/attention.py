@@ -519,4 +519,4 @@ def main(comm, ctx, o):
     sweep(comm, mode="attention", params=params, dev=dev, columns=columns, configs=configs, run_one=run_one,
           work=work, footer=footer, config_keys=CONFIG_KEYS, metric="fwdbwd_ms", check=o["check"],
           show_progress=show, json_path=o["json_path"], junit_path=o["junit_path"], baseline=o["baseline"],
-          tolerance=o["tolerance"])
+          tolerance=o["tolerance"], bind=o["bind"], torch=o["use_torch"])

@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from .. import __version__, regress
 from ..backends.threads import cores
+from .binding import bind_ranks
 from ..interop import bfloat16
 
 __all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
@@ -284,10 +285,23 @@ def load_baseline(comm, baseline):
     return loaded
 
 
-def sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, config_keys, metric,
-          check, show_progress, json_path=None, junit_path=None, baseline=None, tolerance=0.1):
+def sweep(comm, *, bind="auto", torch=False, **kw):
     """Run ``run_one(cfg)`` for every configuration and print the table, nccl-tests style;
     then the footer, regression verdicts, JSON and JUnit; exit with the bench's status.
+    ``bind``, ``torch``: where the ranks run meanwhile (``binding.bind_ranks``; the
+    process's own placement comes back afterwards); the rest: ``_sweep``'s."""
+    limiter, threads_line = blas_threads(comm)  # noqa: F841 (kept alive for the run)
+    bind_line, placement = bind_ranks(comm, bind, torch)  # after: the BLAS line counts the node's cores
+    try:
+        _sweep(comm, placed=(threads_line, bind_line), **kw)
+    finally:
+        if placement is not None:
+            os.sched_setaffinity(0, placement)
+
+
+def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, config_keys, metric,
+           check, show_progress, placed, json_path=None, junit_path=None, baseline=None, tolerance=0.1):
+    """``sweep`` with the ranks placed (``placed``: the preamble's lines on BLAS threads and binding).
 
     ``work``: each configuration's relative cost (for the progress line's time left);
     ``footer(rows)``: the mode's summary lines; ``metric``: the row key (milliseconds) that
@@ -296,11 +310,10 @@ def sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, c
     P = comm.Get_size()
     base_rows = load_baseline(comm, baseline)
     who = comm.gather((socket.gethostname(), os.getpid(), dev.describe()), root=0)
-    limiter, threads_line = blas_threads(comm)  # noqa: F841 (kept alive for the run)
     say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {dev.backend}, {P} rank(s), "
               f"{MPI.Get_library_version().splitlines()[0].strip()}",
         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
-        threads_line, *([cpu_kernels_line(comm)] if dev.backend == "numpy" else []), cpu_line(),
+        *placed, *([cpu_kernels_line(comm)] if dev.backend == "numpy" else []), cpu_line(),
         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
           if who else []),
         "#")

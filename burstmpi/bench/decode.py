@@ -310,4 +310,4 @@ def main(comm, ctx, o):
     sweep(comm, mode="decode", params=params, dev=dev, columns=COLUMNS, configs=configs, run_one=run_one,
           work=[float(c["seqlen"]) for c in configs], footer=footer, config_keys=CONFIG_KEYS,
           metric="decode_ms", check=o["check"], show_progress=show, json_path=o["json_path"],
-          junit_path=o["junit_path"], baseline=o["baseline"], tolerance=o["tolerance"])
+          junit_path=o["junit_path"], baseline=o["baseline"], tolerance=o["tolerance"], bind=o["bind"])
