@@ -41,7 +41,9 @@ def bind_ranks(comm, setting="auto", torch=False):
         node.Free()
     ranks, ncores = len(masks), len(masks[0])
     core = core_for(masks, here) if ncores else None
-    if core is None:
+    if not ncores:
+        why = "no CPU affinity on this system"
+    elif core is None:
         why = "ranks do not outnumber cores, or the launcher bound them"
     elif setting != "auto":
         why = "--bind none"

@@ -23,8 +23,8 @@ from mpi4py import MPI
 
 from .. import __version__, regress
 from ..backends.threads import cores
-from .binding import bind_ranks
 from ..interop import bfloat16
+from .binding import bind_ranks
 
 __all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
            "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "idle_barrier", "wall",
