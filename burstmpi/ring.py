@@ -162,10 +162,9 @@ def key_operands(k, v):
 def finish_forward(be, state, dtype, dims):
     """(out, lse) in the caller's layouts from the running state (the backend may reuse it
     afterwards)."""
-    B, C, Z = dims[:3]
-    _, Zkv, _, g, dv = state[0].shape
+    B, C, Z, Zkv, _, dv = dims
     # A new array in the caller's layout, which the backend normalises the rows into.
-    out = be.output((B, C, Zkv, g, dv), dtype)
+    out = be.output((B, C, Zkv, Z // Zkv, dv), dtype)
     _, lse_rows = be.fwd_finalize(state, dtype, out=out.transpose(0, 2, 1, 3, 4))
     return out.reshape(B, C, Z, dv), be.xp.ascontiguousarray(lse_rows.transpose(0, 1, 3, 2)).reshape(B, Z, C)
 
