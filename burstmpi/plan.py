@@ -97,11 +97,14 @@ class BurstAttention:
         "auto" follows the arrays' device: GPU arrays (CuPy, or any DLPack producer on a
         CUDA device) run on burstmpi's CUDA kernels, host arrays on NumPy. "cuda" with
         host arrays copies them to the GPU and returns host arrays.
-    transport : {"auto", "nccl", "mpi"}
-        How GPU ring buffers travel: NCCL (one GPU per rank; bootstrapped over ``comm``),
-        or MPI (host-staged, or straight from the GPU with ``BURSTMPI_CUDA_AWARE_MPI=1``;
-        works with ranks sharing a GPU). "auto" takes NCCL when it is installed and every
-        rank has a GPU of its own. Host arrays always use MPI. Reported in ``last_stats``.
+    transport : {"auto", "nccl", "mpi", "shm"}
+        How ring buffers travel. GPU arrays: NCCL (one GPU per rank; bootstrapped over
+        ``comm``), or MPI (host-staged, or straight from the GPU with
+        ``BURSTMPI_CUDA_AWARE_MPI=1``; works with ranks sharing a GPU); "auto" takes NCCL
+        when it is installed and every rank has a GPU of its own. Host arrays: "shm", the
+        ranks of one node reading each other's packets in place from an MPI-3 shared
+        window (``burstmpi.shm``; "auto" takes it when every rank is on one node), or
+        "mpi", copied by MPI. Reported in ``last_stats``.
     device : int, optional
         The CUDA device of this rank; default: node-local rank modulo the visible GPUs.
     runtime : burstmpi.runtime.Runtime, optional
@@ -116,7 +119,8 @@ class BurstAttention:
     blocks and fp32 accumulators: ~5x a rank's q with as many KV heads as heads, in
     float32) and the storage of up to four results the caller has dropped (the CPU
     backend's ``held_bytes``), as CuPy's memory pool keeps the GPU's: ``release()`` frees
-    them (results dropped later return to the pool).
+    them (results dropped later return to the pool); with the "shm" transport it is
+    collective, as the calls are (it frees a window every rank maps).
     """
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,

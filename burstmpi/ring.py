@@ -207,7 +207,10 @@ def forward(plan, q, k, v, dims):
 
     home_k = key_operands(k, v)
     if sched.send and sched.send[0]:  # our keys leave (not at 1 rank, nor where no one needs them)
-        fill_packet(chan, home_k, geo.travelling_rows("k", plan.rank), be.xp)
+        rows = geo.travelling_rows("k", plan.rank)
+        fill_packet(chan, home_k, rows, be.xp)
+        if len(rows) == C:  # all of them, in order: our own step reads that copy too
+            home_k = packet_rows(chan.current, C)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.query_block(plan.rank)
@@ -241,6 +244,8 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     timer, t_start = Timer(), time.perf_counter()
 
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
+    if mode == "burst":  # K and V stay home for every step: as the tiles read them, once
+        home_k = be.resident_keys(home_k["k"], home_k["v"], acc)
     mine = geo.travelling_rows(role, plan.rank)
     home = home_q if mode == "burst" else home_k
     if sched.send and sched.send[0]:

@@ -18,10 +18,11 @@ from mpi4py import MPI
 
 from . import ring
 from .backends import NumpyBackend
-from .backends.threads import threads_per_rank
+from .backends.threads import shares_cores, threads_per_rank
 from .backends.cupy_backend import CupyBackend
 from .comm import MPITransport, StagedMPITransport, private_comm
 from .config import settings
+from .shm import one_node, transport_for
 from .device import import_cupy, node_rank, pick_device
 from .interop import cupyx_pinned, is_host, to_device, to_host
 from .validate import agree
@@ -29,7 +30,7 @@ from .validate import agree
 __all__ = ["Runtime", "kernel_ready"]
 
 BACKENDS = ("auto", "numpy", "cuda")
-TRANSPORTS = ("auto", "nccl", "mpi")
+TRANSPORTS = ("auto", "nccl", "mpi", "shm")
 
 
 def kernel_ready(xp, a):
@@ -51,9 +52,11 @@ class Runtime:
         if backend not in BACKENDS:
             raise ValueError(f"{fn}: backend: expected 'auto', 'numpy' or 'cuda', got {backend!r}")
         if transport not in TRANSPORTS:
-            raise ValueError(f"{fn}: transport: expected 'auto', 'nccl' or 'mpi', got {transport!r}")
+            raise ValueError(f"{fn}: transport: expected 'auto', 'nccl', 'mpi' or 'shm', got {transport!r}")
         if transport == "nccl" and backend == "numpy":
-            raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='numpy' needs 'mpi' or 'auto'")
+            raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='numpy' needs 'auto', 'mpi' or 'shm'")
+        if transport == "shm" and backend == "cuda":
+            raise ValueError(f"{fn}: transport: 'shm' shares host buffers; backend='cuda' needs 'auto', 'nccl' or 'mpi'")
         self.user_comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(self.user_comm, MPI.Intracomm):
             raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
@@ -66,7 +69,10 @@ class Runtime:
         self._threads, self._cpu_kernels = cfg.threads, cfg.cpu_kernels
         self._cuda_aware, self._nccl_timeout = cfg.cuda_aware_mpi, cfg.nccl_timeout
         self.backend = None
-        self.transport = MPITransport(self.comm)
+        # Until the first call picks one (``_host_transport``); a transport a test puts in
+        # its place is kept. ``_host``: what host calls use, again after GPU ones.
+        self.transport = self._default = MPITransport(self.comm)
+        self._host = None
         self._channels = {}
         self._arena = None
 
@@ -90,9 +96,13 @@ class Runtime:
         if kind == "cuda":
             self._use_cuda(fn)
         elif self.backend is None or self.backend.name == "cuda":
-            if self.backend is not None:  # back from the GPU: host buffers, MPI
+            if self.backend is not None:  # back from the GPU: host buffers, the host transport
                 self.release()
-                self.transport = MPITransport(self.comm)
+                self.transport = self._default if self._host is None else self._host
+            if self.transport is self._default:
+                self.transport = self._host_transport(fn)  # collective
+            self._host = self.transport
+            self.transport.idle = shares_cores(self.comm)  # collective: waits sleep if so
             threads = threads_per_rank(self.comm, self._threads)  # collective
             error, backend = None, None
             try:  # BURSTMPI_CPU_KERNELS=numba without numba: every rank raises
@@ -113,7 +123,20 @@ class Runtime:
     def agree(self, fn, error, signature, length=0):
         """``validate.agree`` on this runtime's communicator; ``BURSTMPI_CHECK=0`` leaves
         the signature out (errors still travel)."""
-        return agree(self.comm, fn, error, signature if self.check else [], length)
+        return agree(self.comm, fn, error, signature if self.check else [], length,
+                     idle=getattr(self.transport, "idle", False))
+
+    def _host_transport(self, fn):
+        """How host buffers travel (collective): read in place from a shared window when
+        every rank is on one node (``burstmpi.shm``), unless ``transport='mpi'``; else MPI."""
+        if self.nranks == 1 or self.transport_name == "mpi":
+            return MPITransport(self.comm)
+        if one_node(self.comm):
+            return transport_for(self.comm)  # every plan on this communicator shares its window
+        if self.transport_name == "shm":
+            raise ValueError(f"{fn}: transport: 'shm' needs every rank on one node, but the ranks of "
+                             "comm span several; use 'auto' or 'mpi'")
+        return MPITransport(self.comm)
 
     # -- the GPU ----------------------------------------------------------------------------
 
@@ -140,6 +163,10 @@ class Runtime:
     def _gpu_transport(self, fn, cupy, dev):
         """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
         from . import nccl
+
+        if self.transport_name == "shm":  # the same on every rank: ``begin`` agreed on it
+            raise ValueError(f"{fn}: transport: 'shm' shares host buffers; GPU arrays need 'auto', "
+                             "'nccl' or 'mpi'")
 
         everyone = self.comm.allgather((MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
                                         nccl.available()))
@@ -170,22 +197,25 @@ class Runtime:
         direction and receives from rank - direction. Phases never run at the same time,
         so all of them share one arena as large as the largest phase needs (the forward's
         K/V double buffer and the backward's packets reuse the same memory). Channels are
-        cached per phase while their shapes stay the same.
+        cached per phase while their shapes stay the same. A transport may carry a class's
+        traffic on its own kind of channel, in memory it allocates (``burstmpi.shm``).
         """
+        begin = getattr(self.transport, "begin", None)
+        if begin is not None:
+            begin()
+        pick = getattr(self.transport, "channel_for", None)
+        if pick is not None:
+            specs = [(pick(cls), *rest) for cls, *rest in specs]
         key = tuple((cls.__name__, tag, direction, tuple((f, tuple(s), np.dtype(d).str) for f, s, d in fields))
                     for cls, fields, tag, direction in specs)
+        single = self.nranks == 1
+        arena = self._arena_of(sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, *_ in specs))
         cached = self._channels.get(phase)
-        if cached is None or cached[0] != key:
-            single = self.nranks == 1
-            need = sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, *_ in specs)
-            if self._arena is None or self._arena.nbytes < need:
-                self._channels.clear()  # they view the old arena; let it go
-                self._arena = None
-                self._arena = self.backend.alloc(need)
+        if cached is None or cached[0] != key or cached[2] is not arena:
             offset = [0]
 
             def carve(nbytes):
-                view = self._arena[offset[0]:offset[0] + nbytes]
+                view = arena[offset[0]:offset[0] + nbytes]
                 offset[0] += nbytes
                 return view
 
@@ -193,10 +223,22 @@ class Runtime:
                          recv_from=(self.rank - direction) % self.nranks, tag=tag, alloc=carve,
                          single=single)
                      for cls, fields, tag, direction in specs]
-            cached = self._channels[phase] = (key, chans)
+            cached = self._channels[phase] = (key, chans, arena)
         for c in cached[1]:
-            c.bytes_sent = c.bytes_recv = 0
+            c.begin()
         return cached[1]
+
+    def _arena_of(self, need):
+        """The arena the channels are carved from, at least ``need`` bytes: the transport's
+        (a shared window, which it grows) or the runtime's own (grown here)."""
+        shared = getattr(self.transport, "arena", None)
+        if shared is not None:
+            self._arena = shared(need)
+        elif self._arena is None or self._arena.nbytes < need:
+            self._channels.clear()  # they view the old arena; let it go
+            self._arena = None
+            self._arena = self.backend.alloc(need)
+        return self._arena
 
     @property
     def buffer_bytes(self):
@@ -205,7 +247,8 @@ class Runtime:
 
     def finish(self):
         """End of a phase: a transport that runs asynchronously (NCCL) checks that its
-        transfers completed, with a timeout, so a dead peer is an error and not a hang."""
+        transfers completed, with a timeout, so a dead peer is an error and not a hang; a
+        shared window starts the fence the next phase completes before anyone writes."""
         finish = getattr(self.transport, "finish", None)
         if finish is not None:
             finish()
@@ -215,6 +258,9 @@ class Runtime:
         again on the next call)."""
         self._channels.clear()
         self._arena = None
+        window = getattr(self.transport, "free", None)  # collective (a shared window)
+        if window is not None:
+            window()
         free = getattr(self.backend, "release", None)
         if free is not None:
             free()

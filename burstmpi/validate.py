@@ -171,20 +171,26 @@ def checksum(signature):
     return zlib.crc32(repr(signature).encode()) & 0x7FFFFFFF
 
 
-def agree(comm, fn, error, signature, length=0):
+def agree(comm, fn, error, signature, length=0, idle=False):
     """Raise on every rank if any rank has ``error`` or the ranks' signatures differ;
     return every rank's ``length`` (its local sequence length), in rank order.
 
     ``signature`` is a tuple of (name, value) pairs that must match on all ranks; local
     lengths may differ (the layout decides) and travel beside it. Costs one allgather of
-    three integers per rank when all is well.
+    three integers per rank when all is well; ``idle``: it sleeps while it waits
+    (``comm.complete``: ranks take turns on cores).
     """
     from mpi4py import MPI
+
+    from .comm import complete
 
     h = checksum(signature)
     mine = np.array([1 if error else 0, h, int(length)], dtype=np.int64)
     every = np.empty((comm.Get_size(), 3), dtype=np.int64)
-    comm.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
+    if idle:
+        complete([comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T])], True)
+    else:
+        comm.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
     if not every[:, 0].any() and (every[:, 1] == h).all():
         return every[:, 2]
     report(comm, fn, error, signature)

@@ -45,7 +45,7 @@ def test_cuda_backend_without_a_gpu_is_one_clear_error_on_every_rank():
 
 
 def test_transport_options_are_checked():
-    with pytest.raises(ValueError, match=r"transport: expected 'auto', 'nccl' or 'mpi', got 'tcp'"):
+    with pytest.raises(ValueError, match=r"transport: expected 'auto', 'nccl', 'mpi' or 'shm', got 'tcp'"):
         burstmpi.BurstAttention(transport="tcp")
     with pytest.raises(ValueError, match=r"transport: 'nccl' moves GPU buffers; backend='numpy'"):
         burstmpi.BurstAttention(transport="nccl", backend="numpy")

@@ -187,6 +187,11 @@ class KernelBackend:
             src *= src.dtype.type(scale)
         dst[...] = src
 
+    @staticmethod
+    def resident_keys(k, v, acc):
+        """The kernels read K and V where they lie, at every step: {k, v} as given."""
+        return {"k": k, "v": v}
+
     def bwd_preprocess(self, dout, out, Zkv, acc):
         """D = rowsum(dout * out) as (B, Zkv, C, g) fp32, from (B, C, Z, dv) arrays."""
         B, C, Z, dv = dout.shape

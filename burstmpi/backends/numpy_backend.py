@@ -248,6 +248,13 @@ class NumpyBackend:
             self.workers.run(work, lambda it, scratch: self._convert(*it))
         return done
 
+    def resident_keys(self, k, v, acc):
+        """The key side of a phase whose K and V stay home at every step (the burst
+        backward), as every step's tiles read it: converted once here instead of once per
+        step (each ``_blocks`` then takes it as it is): {k, v}."""
+        k, v = self._blocks(k, v, np.dtype(acc))
+        return {"k": k, "v": v}
+
     @staticmethod
     def alloc(nbytes):
         return np.empty(nbytes, dtype=np.uint8)

@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from .workspace import Workspace
 
-__all__ = ["Workers", "cores", "threads_per_rank", "one_blas_thread"]
+__all__ = ["Workers", "cores", "threads_per_rank", "shares_cores", "one_blas_thread"]
 
 
 def cores():
@@ -40,6 +40,19 @@ def threads_per_rank(comm, setting=0):
     finally:
         node.Free()
     return setting if setting > 0 else max(1, cores() // here)
+
+
+def shares_cores(comm):
+    """Do the ranks of ``comm`` on this node outnumber the cores their affinity masks cover
+    together, so that some take turns on a core? (collective)"""
+    mask = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        masks = node.allgather(mask)
+    finally:
+        node.Free()
+    covered = (os.cpu_count() or 1) if None in masks else len(frozenset().union(*masks))
+    return len(masks) > covered
 
 
 _blas = None

@@ -59,8 +59,9 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
                    "rank i of the node to core i mod cores (as mpiexec -bind-to core); none: as launched.")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "numpy", "cuda"]),
               help="Where the arrays live: auto = the GPU when every rank has one, else the host.")
-@click.option("--transport", default="auto", show_default=True, type=click.Choice(["auto", "nccl", "mpi"]),
-              help="GPU ring transport (see BurstAttention).")
+@click.option("--transport", default="auto", show_default=True, type=click.Choice(["auto", "nccl", "mpi", "shm"]),
+              help="Ring transport (see BurstAttention): GPU arrays nccl or mpi, host arrays shm (read in "
+                   "place, ranks on one node) or mpi (copied); auto picks.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
               help="A published setup (explicit flags still win): ring-flash-attn = 32/8 heads, "
                    "d 128, bf16, causal zigzag, 8K tokens per rank; burstengine = 40 heads, d 128, "

@@ -26,8 +26,9 @@ the two are measured side by side). With
 what the phase cannot do without (its arrays in and out and the plan's ring buffers) and
 "peak MB" the largest total of live NumPy arrays during the call, inputs included
 (tracemalloc), max over ranks. "peak MB/rk" is the process's
-maximum resident set, interpreter and libraries included (on GPUs: the bytes CuPy's memory
-pool holds). With --backend cuda (the default "auto" picks it when every rank has a GPU)
+maximum resident set, interpreter and libraries included, and with the "shm" transport the
+pages of the other ranks' packets it read in place (they are counted in every process that
+maps them; on GPUs: the bytes CuPy's memory pool holds). With --backend cuda (the default "auto" picks it when every rank has a GPU)
 the arrays live on each rank's GPU and every phase is timed to the end of its GPU work.
 
 More columns, per configuration: "f+b min/max" are the fastest and slowest rank's
@@ -39,7 +40,8 @@ kernels and "exposed ms" the time spent waiting on transfers (both max over rank
 "vs local" is the per-rank f+b TFLOP/s over that of the local kernel alone on one unmasked
 block of the same per-rank shape, the largest ranks' when lengths differ (the single-device
 rate the ring is measured against): every rank runs it at once, between the ring's timed
-iterations (after every second one), and its times are reduced over ranks as the ring's are.
+iterations (after each one, as many samples as the ring's), and its times are reduced over
+ranks as the ring's are.
 
 With ``--docs SPEC`` every global length is packed with documents (``burstmpi.packing``:
 fixed:LEN, lognormal:MEAN, file:PATH) and attention stays inside each one. "docs" is the
@@ -71,7 +73,7 @@ from ..api import shard_indices, unshard
 from ..masks import Mask, Window
 from ..plan import BurstAttention
 from ..layout import LAYOUTS
-from .common import (DTYPES, REDUCE, TOLERANCE, Device, choices, cores, idle_barrier, np_dtype,
+from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, choices, cores, idle_barrier, np_dtype,
                      resolve_device, seqlens, sweep, timed, wall)
 
 __all__ = ["COLUMNS", "CONFIG_KEYS", "PRESETS", "check_docs", "flops", "run_config", "main"]
@@ -340,7 +342,7 @@ def _padded_way(comm, cfg, cu_seqlens, *, iters, warmup, window, seed, dev, tran
     lengths, padded = packing.padded_documents(cu_seqlens, P)
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout="zigzag",
                           bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                          transport=transport if dev.backend == "cuda" else "auto")
+                          transport=transport)
     fb, sent = 0.0, 0
     for n in padded:
         _, arrays = _inputs(dict(cfg, seqlen=int(n)), int(n) // P, seed, comm.Get_rank(), dev)
@@ -366,7 +368,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     q, k, v, do = arrays
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
                           bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                          transport=transport if dev.backend == "cuda" else "auto")
+                          transport=transport)
     memory = _footprint(comm, cfg, window, q, k, v, do, cu) if trace_memory else {}
     ref = []  # (fwd, bwd) seconds of the local kernel
     torch_tick, torch_times = _torch_timer(comm, cfg, local, dev.backend == "cuda") if use_torch else (None, [])
@@ -374,15 +376,16 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     def between(j):
         if torch_tick is not None:  # torch after each of our iterations: means over the same span
             torch_tick()
-        # The single-device reference, timed after every second iteration (after the only
-        # one of -n 1): side by side with the ring's, on machines whose speed drifts.
-        if j % 2 == 1 or iters == 1:
-            start = comm.Barrier
-            if C:
-                ref.append(_local_kernel_s(plan, q, k, v, do, dev, start))
-            else:  # no rows here: only the barriers
-                start()
-                start()
+        # The single-device reference, timed after every iteration: side by side with the
+        # ring's, on machines whose speed drifts, and a mean of as many samples (one sample
+        # after every second iteration, as before, left `vs local` of one 4-rank 16K causal
+        # row at 0.93-0.98 over three runs whose ring times were within 0.5 %).
+        start = lambda: barrier(comm, dev.idle)
+        if C:
+            ref.append(_local_kernel_s(plan, q, k, v, do, dev, start))
+        else:  # no rows here: only the barriers
+            start()
+            start()
 
     tf, tb, out, lse, grads = _iterations(comm, plan, arrays, iters, warmup, dev, cu, between)
     st = plan.last_stats
@@ -499,7 +502,11 @@ def main(comm, ctx, o):
     if o["trace_memory"] and dev.backend == "cuda":
         raise click.UsageError("--trace-memory traces NumPy allocations; use --backend numpy")
     transport = o["transport"]
-    params.update(backend=dev.backend, transport=transport if dev.backend == "cuda" else "mpi")
+    if dev.backend == "cuda" and transport == "shm":
+        raise click.UsageError("--transport shm shares host buffers; GPU arrays take auto, nccl or mpi")
+    if dev.backend != "cuda" and transport == "nccl":
+        transport = "auto"  # a GPU transport: host arrays take shm or mpi, as auto picks
+    params.update(backend=dev.backend, transport=transport)
     columns = (COLUMNS + (MEMORY_COLUMNS if o["trace_memory"] else []) + (PADDED_COLUMNS if docs else [])
                + (TORCH_COLUMNS if o["use_torch"] else []))
     work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window,

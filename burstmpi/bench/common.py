@@ -22,12 +22,13 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__, regress
-from ..backends.threads import cores
+from ..backends.threads import cores, shares_cores
+from ..comm import complete
 from ..interop import bfloat16
 from .binding import bind_ranks
 
 __all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
-           "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "idle_barrier", "wall",
+           "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "barrier", "idle_barrier", "wall",
            "load_baseline", "sweep"]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
@@ -162,6 +163,7 @@ class Device:
     def __init__(self, backend, cupy=None):
         self.backend, self.cupy = backend, cupy
         self.xp = cupy if cupy is not None else np
+        self.idle = False  # ranks take turns on cores: the bench's barriers sleep (``sweep``)
 
     def put(self, x):
         return x if self.cupy is None else self.cupy.asarray(x)
@@ -209,7 +211,7 @@ def resolve_device(comm, backend):
 def timed(comm, fn, dev=None):
     if dev is not None:
         dev.sync()
-    comm.Barrier()
+    barrier(comm, getattr(dev, "idle", False))
     t0 = time.perf_counter()
     result = fn()
     if dev is not None:
@@ -217,11 +219,19 @@ def timed(comm, fn, dev=None):
     return time.perf_counter() - t0, result
 
 
+def barrier(comm, idle=False):
+    """MPI_Barrier, or with ``idle`` one that sleeps between tests (``comm.complete``).
+    MPI_Barrier busy-polls: where ranks take turns on a core, a rank done early would take
+    half of its core from the rank still working there, and time that rank's phase slower."""
+    if idle:
+        complete([comm.Ibarrier()], True)
+    else:
+        comm.Barrier()
+
+
 def idle_barrier(comm):
     """A barrier that sleeps: MPI_Barrier busy-polls, and would steal cores from torch."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.005)
+    barrier(comm, idle=True)
 
 
 def wall(fn, sync=lambda: None):
@@ -292,6 +302,9 @@ def sweep(comm, *, bind="auto", torch=False, **kw):
     process's own placement comes back afterwards); the rest: ``_sweep``'s."""
     limiter, threads_line = blas_threads(comm)  # noqa: F841 (kept alive for the run)
     bind_line, placement = bind_ranks(comm, bind, torch)  # after: the BLAS line counts the node's cores
+    kw["dev"].idle = shares_cores(comm)
+    if kw["dev"].idle:
+        bind_line += "; ranks share cores, so the bench's barriers sleep instead of spinning"
     try:
         _sweep(comm, placed=(threads_line, bind_line), **kw)
     finally:

@@ -111,7 +111,7 @@ def ring_decode(cache, q, state):
     be, P, me = rt.backend, rt.nranks, rt.rank
     xp = be.xp
     chan, ns = state
-    chan.bytes_sent = chan.bytes_recv = 0
+    chan.begin()  # this rank's own shard current, byte counts from zero
     cur = chan.current
     B, T, Z, d = q.shape
     Zkv, dv = cache.kv_heads, cache.v_head_dim

@@ -1,0 +1,304 @@
+"""Ring packets read in place by the ranks of one node: no copy per ring step.
+
+Over MPI every ring step copies each packet into the next rank's buffer. On one node that
+copy is MPICH's single-copy path (``process_vm_readv``, ~7 GB/s here for 32 MB), done by
+the receiver inside the ``Testall`` polls between its tiles: 76-85 ms of a 16K-token
+causal forward+backward at 4 ranks on 2 cores, and the tiles computed meanwhile ran 6-9 %
+slower (the copy streams 33 MB through the caches they work in). Yet every rank of a node
+can map every other's memory, so nothing needs to move.
+
+``ShmTransport`` puts the ring's buffers in an MPI-3 shared-memory window
+(``MPI_Win_allocate_shared``), and ``ShmChannel`` hands the rank holding a packet at step t
+views of the owner's own copy. What travels around the ring is a token, the packet's
+owner (8 bytes), posted and waited for exactly where the MPI ring sends and receives the
+packet: the schedule, the skipped steps and the order of every phase stay
+``burstmpi.ring``'s, and a rank reads a packet only after the token chain from its owner
+reached it.
+
+Memory ordering follows MPI's shared-memory pattern: the windows stay locked (``Lock_all``,
+``MODE_NOCHECK``) for their life; a writer calls ``Win_sync`` before its token leaves, a
+reader after its token arrived. An owner rewrites its packet in a later phase only: a
+phase ends with a nonblocking barrier (``finish``), and the next one starts by completing
+it (``begin``), so no rank is still reading when its owner writes again (the call's own
+agreement collective, ``validate.agree``, has ordered every rank past the old phase by
+then, so the wait returns at once).
+
+A gradient partial (``ShmPartialChannel``) is read in place too, by the one rank it goes
+to, which adds it to its own; the sender alternates two buffers, so before it writes one
+again it waits for the reader's acknowledgement that it has been added (a second token,
+going back).
+
+Every plan on one communicator shares its transport (``transport_for``) and so one window,
+grown to the largest phase any of them ran: plans made per call (``burstmpi.attention``)
+neither allocate a window each nor leave one behind. Freeing it is collective, so
+``Runtime.release`` is too when this transport is in use (every rank calls it, as every
+rank makes the calls); the next phase of any plan allocates a new one.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from .comm import Channel, MPITransport, PartialChannel, _packet, complete
+
+__all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "one_node", "transport_for"]
+
+# A partial's acknowledgement travels back on its own tag: with two ranks the neighbour
+# the partials come from is the one they go to.
+ACK_TAG_OFFSET = 1000
+
+_KEYVAL = None
+
+
+def one_node(comm):
+    """Are all ranks of ``comm`` on one node, sharing its memory? (collective)"""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size() == comm.Get_size()
+    finally:
+        node.Free()
+
+
+def transport_for(comm):
+    """The ``ShmTransport`` of ``comm`` (burstmpi's private communicator), created on first
+    use and kept as an attribute of the communicator, as ``comm.private_comm`` keeps it."""
+    global _KEYVAL
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval()
+    transport = comm.Get_attr(_KEYVAL)
+    if transport is None:
+        transport = ShmTransport(comm)
+        comm.Set_attr(_KEYVAL, transport)
+    return transport
+
+
+class ShmTransport(MPITransport):
+    """MPI transfers (the gradient partials), plus a shared window for the ring buffers.
+
+    ``comm``'s ranks must share one node's memory (``one_node``)."""
+
+    name = "shm"
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self.rank = comm.Get_rank()
+        self._win = None
+        self._arenas = None  # every rank's part of the window, as bytes (peers' read-only)
+        self._fence = None   # the Ibarrier that ended the last phase
+        self._open = False   # a phase began and has not finished
+
+    @staticmethod
+    def channel_for(cls):
+        """The channel class that carries ``cls``'s traffic here."""
+        return {Channel: ShmChannel, PartialChannel: ShmPartialChannel}.get(cls, cls)
+
+    def arena(self, nbytes):
+        """This rank's part of the window, at least ``nbytes`` (collective when it grows:
+        every rank asks for the same size, as ``Runtime.channels`` does). A new window is a
+        new array: views of the old one are gone with it."""
+        if self._arenas is None or self._arenas[self.rank].nbytes < nbytes:
+            self._alloc(nbytes)
+        return self._arenas[self.rank]
+
+    def _alloc(self, nbytes):
+        """A new shared window of ``nbytes`` per rank, the previous one freed."""
+        self.free()
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each rank's part page-aligned, first touched by it
+        try:
+            win = MPI.Win.Allocate_shared(nbytes, 1, info, comm=self.comm)
+        finally:
+            info.Free()
+        win.Lock_all(MPI.MODE_NOCHECK)
+        arenas = []
+        for r in range(self.comm.Get_size()):
+            buf, _ = win.Shared_query(r)
+            a = np.frombuffer(buf, dtype=np.uint8)[:nbytes]
+            if r != self.rank:
+                a.flags.writeable = False  # a peer's packet is read, never written
+            arenas.append(a)
+        self._win, self._arenas = win, arenas
+        return arenas[self.rank]
+
+    def peer(self, rank, view):
+        """Rank ``rank``'s bytes at the place of ``view`` (bytes of this rank's arena)."""
+        off = view.ctypes.data - self._arenas[self.rank].ctypes.data
+        return self._arenas[rank][off:off + view.nbytes]
+
+    def sync(self):
+        """``Win_sync``: this rank's writes are visible to the others before its next token
+        leaves, and theirs to it after a token arrived."""
+        self._win.Sync()
+
+    def begin(self):
+        """A phase starts: every rank has finished reading the last phase's packets."""
+        if self._fence is not None:
+            complete([self._fence], self.idle)
+            self._fence = None
+        elif self._open:  # the last phase ended without finish() (it raised): fence now
+            self.comm.Barrier()
+        self._open = True
+
+    def finish(self):
+        """A phase ends (``Runtime.finish``): its fence starts, the next ``begin`` completes it."""
+        if self._open:
+            self._fence = self.comm.Ibarrier()
+            self._open = False
+
+    def free(self):
+        """Free the window (collective)."""
+        if self._win is not None:
+            self.begin()
+            self._open = False
+            self._arenas = None
+            self._win.Unlock_all()
+            self._win.Free()
+            self._win = None
+
+
+class ShmChannel(Channel):
+    """``comm.Channel`` for a packet that its holders read where its owner wrote it: one
+    copy per rank, views of the owner's at each step, and tokens naming the owner where
+    ``Channel`` sends and receives the packet itself."""
+
+    @staticmethod
+    def copies(single):
+        """Packet-sized buffers it allocates: this rank's own packet."""
+        return 1
+
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
+        self.transport = transport
+        self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
+        self._fields = fields
+        self._raw, mine = _packet(fields, alloc)
+        self.nbytes = self._raw.nbytes  # counted as sent: handed on, and read in place
+        self._views = {transport.rank: mine}
+        self._owner = transport.rank
+        self._tokens = np.zeros(2, dtype=np.int64)  # [sent, received]
+        self._pending = None
+        self.bytes_sent = self.bytes_recv = 0
+
+    def begin(self):
+        """A phase starts with this rank's own packet current (``Runtime.channels``)."""
+        if self._pending is not None:
+            raise RuntimeError("ShmChannel.begin: the last phase left a transfer posted")
+        self._owner = self.transport.rank
+        self.bytes_sent = self.bytes_recv = 0
+
+    @property
+    def current(self):
+        """The views of the packet the ring step computes on (its owner's memory)."""
+        views = self._views.get(self._owner)
+        if views is None:
+            theirs = self.transport.peer(self._owner, self._raw)
+            views = self._views[self._owner] = _packet(self._fields, lambda n: theirs[:n])[1]
+        return views
+
+    def _outgoing(self):  # the packet's bytes are visible before its token leaves
+        self.transport.sync()
+        self._tokens[0] = self._owner
+        return self._tokens[0:1]
+
+    def _incoming(self):
+        return self._tokens[1:2]
+
+    def _arrived(self):  # and read only after the token came
+        self.transport.sync()
+        self._owner = int(self._tokens[1])
+
+
+class ShmPartialChannel:
+    """``comm.PartialChannel``'s interface for gradient partials read in place: sent from
+    two alternating buffers, each written again only after its reader acknowledged it."""
+
+    @staticmethod
+    def copies(single):
+        """Partial-sized buffers it allocates: the two it sends from (it reads the sender's)."""
+        return 2
+
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
+        self.transport = transport
+        self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
+        self._fields = fields
+        self._send = [_packet(fields, alloc) for _ in range(2)]
+        self.nbytes = self._send[0][0].nbytes
+        self._next = 0
+        self._ids = np.arange(2, dtype=np.int64)    # the tokens: which buffer a partial is in
+        self._got = np.zeros(1, dtype=np.int64)     # a received token
+        self._acked = np.zeros(2, dtype=np.int64)   # acknowledgements' landing places
+        self._acks = [None, None]  # per send buffer: the receive of its acknowledgement
+        self._sends = []           # tokens and acknowledgements in flight
+        self._recv = None          # (request, source) of the posted receive
+        self._unacked = None       # the source of a partial added and not yet acknowledged
+        self._views = {}
+        self.bytes_sent = self.bytes_recv = 0
+
+    def begin(self):
+        """A phase starts (``Runtime.channels``): its byte counts start from zero."""
+        self.bytes_sent = self.bytes_recv = 0
+
+    def _acknowledge(self):
+        """Tell the sender of the last partial read that it has been added (its reads are
+        done before the token leaves)."""
+        if self._unacked is not None:
+            self.transport.sync()
+            self._sends.append(self.transport.isend(self._ids[0:1], self._unacked,
+                                                    self.tag + ACK_TAG_OFFSET))
+            self._unacked = None
+
+    def post_recv(self, source=None):
+        if self._recv is not None:
+            raise RuntimeError("ShmPartialChannel.post_recv: the previous receive is still pending")
+        self._acknowledge()  # the last one was added before this step began
+        src = self.recv_from if source is None else source
+        self._recv = (self.transport.irecv(self._got, src, self.tag), src)
+        self.bytes_recv += self.nbytes
+
+    def received(self):
+        """Wait for the posted receive and return views of the partial, in its sender's
+        memory (read-only; acknowledged at the next ``post_recv`` or ``drain``)."""
+        if self._recv is None:
+            raise RuntimeError("ShmPartialChannel.received: no receive was posted")
+        req, src = self._recv
+        self._recv = None
+        self.transport.wait([req])
+        self.transport.sync()
+        key = (src, int(self._got[0]))
+        views = self._views.get(key)
+        if views is None:
+            theirs = self.transport.peer(src, self._send[key[1]][0])
+            views = self._views[key] = _packet(self._fields, lambda n: theirs[:n])[1]
+        self._unacked = src
+        return views
+
+    def send_buffer(self):
+        """Return zeroed views of the next send buffer (once its last reader is done)."""
+        i = self._next
+        if self._acks[i] is not None:
+            self.transport.wait([self._acks[i]])
+            self._acks[i] = None
+        raw, views = self._send[i]
+        raw.fill(0)
+        return views
+
+    def post_send(self):
+        """Send the buffer last returned by ``send_buffer``: its token, then await its reader."""
+        i = self._next
+        self.transport.sync()
+        self._sends.append(self.transport.isend(self._ids[i:i + 1], self.send_to, self.tag))
+        self._acks[i] = self.transport.irecv(self._acked[i:i + 1], self.send_to, self.tag + ACK_TAG_OFFSET)
+        self.bytes_sent += self.nbytes
+        self._next = 1 - i
+
+    def progress(self):
+        """As ``PartialChannel.progress``: True while some token is still in flight."""
+        reqs = [r for r in (*self._sends, *self._acks, self._recv and self._recv[0]) if r]
+        return bool(reqs) and not self.transport.progress(reqs)
+
+    def drain(self):
+        """Complete every token of the phase: the last partial read is acknowledged, and
+        every partial sent has been added by its reader."""
+        self._acknowledge()
+        reqs = [r for r in (*self._sends, *self._acks) if r is not None]
+        if reqs:
+            self.transport.wait(reqs)
+        self._sends, self._acks = [], [None, None]
