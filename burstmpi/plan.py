@@ -235,6 +235,7 @@ class BurstAttention:
             out, lse, st = run(self, h["q"], h["k"], h["v"], dims)
             self.runtime.finish()
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
+        self.last_stats.transport = self.transport.name  # the call may have fallen back to MPI
         return like(out, q), like(lse, q)
 
     def _packet_bytes(self, mode, dims, dtype):
@@ -288,6 +289,7 @@ class BurstAttention:
                 dq, dk, dv, st = ring.backward(self, mode, *args)
             self.runtime.finish()
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
+        self.last_stats.transport = self.transport.name
         self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)
 

@@ -22,7 +22,7 @@ from .backends.threads import shares_cores, threads_per_rank
 from .backends.cupy_backend import CupyBackend
 from .comm import MPITransport, StagedMPITransport, private_comm
 from .config import settings
-from .shm import one_node, transport_for
+from .shm import NoRoom, one_node, transport_for
 from .device import import_cupy, node_rank, pick_device
 from .interop import cupyx_pinned, is_host, to_device, to_host
 from .validate import agree
@@ -203,13 +203,20 @@ class Runtime:
         begin = getattr(self.transport, "begin", None)
         if begin is not None:
             begin()
-        pick = getattr(self.transport, "channel_for", None)
-        if pick is not None:
-            specs = [(pick(cls), *rest) for cls, *rest in specs]
+        single = self.nranks == 1
+        try:
+            specs, arena = self._carried(specs, single)
+        except NoRoom:  # the same on every rank
+            if self.transport_name == "shm":
+                raise
+            # "auto": the node's shared memory is full; copy through MPI instead, from now on.
+            idle, self.transport = self.transport.idle, MPITransport(self.comm)
+            self.transport.idle, self._host = idle, self.transport
+            self._channels.clear()  # they viewed the freed window
+            self._arena = None
+            specs, arena = self._carried(specs, single)
         key = tuple((cls.__name__, tag, direction, tuple((f, tuple(s), np.dtype(d).str) for f, s, d in fields))
                     for cls, fields, tag, direction in specs)
-        single = self.nranks == 1
-        arena = self._arena_of(sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, *_ in specs))
         cached = self._channels.get(phase)
         if cached is None or cached[0] != key or cached[2] is not arena:
             offset = [0]
@@ -227,6 +234,14 @@ class Runtime:
         for c in cached[1]:
             c.begin()
         return cached[1]
+
+    def _carried(self, specs, single):
+        """``specs`` with the classes the transport carries them on, and the arena they
+        are carved from (``_arena_of``)."""
+        pick = getattr(self.transport, "channel_for", None)
+        if pick is not None:
+            specs = [(pick(cls), *rest) for cls, *rest in specs]
+        return specs, self._arena_of(sum(cls.copies(single) * ring.nbytes(fields) for cls, fields, *_ in specs))
 
     def _arena_of(self, need):
         """The arena the channels are carved from, at least ``need`` bytes: the transport's

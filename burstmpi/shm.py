@@ -35,18 +35,39 @@ neither allocate a window each nor leave one behind. Freeing it is collective, s
 rank makes the calls); the next phase of any plan allocates a new one.
 """
 
+import os
+
 import numpy as np
 from mpi4py import MPI
 
 from .comm import Channel, MPITransport, PartialChannel, _packet, complete
 
-__all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "one_node", "transport_for"]
+__all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "one_node", "transport_for",
+           "free_shared_bytes"]
 
 # A partial's acknowledgement travels back on its own tag: with two ranks the neighbour
 # the partials come from is the one they go to.
 ACK_TAG_OFFSET = 1000
 
 _KEYVAL = None
+
+# Where MPICH and Open MPI put shared windows on Linux. A tmpfs: a window larger than its
+# free space maps without error and then dies of SIGBUS on the first page past it (Docker
+# gives containers 64 MB unless told --shm-size), so the room is checked first.
+SHM_DIR = "/dev/shm"
+
+
+def free_shared_bytes():
+    """Bytes free in ``SHM_DIR``, or None where there is none to ask (not Linux)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class NoRoom(RuntimeError):
+    """The node's shared memory cannot hold the window (raised alike on every rank)."""
 
 
 def one_node(comm):
@@ -100,8 +121,18 @@ class ShmTransport(MPITransport):
         return self._arenas[self.rank]
 
     def _alloc(self, nbytes):
-        """A new shared window of ``nbytes`` per rank, the previous one freed."""
+        """A new shared window of ``nbytes`` per rank, the previous one freed; ``NoRoom``
+        on every rank if some rank's ``SHM_DIR`` could not hold the whole node's (with a
+        tenth to spare, for the MPI's own segments)."""
         self.free()
+        P = self.comm.Get_size()
+        free = free_shared_bytes()
+        room = self.comm.allreduce(-1 if free is None else free, op=MPI.MIN)
+        if 0 <= room < 1.1 * P * nbytes:
+            raise NoRoom(f"transport 'shm': the ring's buffers need {P * nbytes / 1e6:.1f} MB of shared "
+                         f"memory on this node ({P} ranks x {nbytes / 1e6:.1f} MB), but {SHM_DIR} has "
+                         f"{room / 1e6:.1f} MB free; enlarge it (docker run --shm-size=...) or use "
+                         "transport='mpi'")
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each rank's part page-aligned, first touched by it
         try:

@@ -133,3 +133,28 @@ def test_options():
     plan = _run("shm", N=2 * NRANKS + 1, causal=True)[0]
     assert plan.last_stats.transport == ("shm" if NRANKS > 1 else "mpi")  # one rank: nothing travels
     assert isinstance(plan.transport, MPITransport)
+
+
+@needs_ranks(2)
+def test_no_room_in_shared_memory(monkeypatch):
+    """Where the node's /dev/shm cannot hold the window (Docker's 64 MB): "auto" copies
+    through MPI instead, with the same bits; "shm" raises on every rank, saying why."""
+    import burstmpi.shm as shm
+
+    monkeypatch.setattr(shm, "free_shared_bytes", lambda: 64)
+    comm = COMM.Dup()  # a communicator whose window is yet to be made
+    try:
+        N = 9 * NRANKS + 2
+        q, k, v = (burstmpi.shard(x, layout="zigzag")
+                   for x in ref.random_problem(1, N, 2, 2, 8, dtype=np.float32, seed=3)[:3])
+        plan = burstmpi.BurstAttention(comm, causal=True, layout="zigzag")
+        got = plan.forward(q, k, v)
+        assert plan.last_stats.transport == "mpi"
+        want = burstmpi.BurstAttention(comm, causal=True, layout="zigzag", transport="mpi").forward(q, k, v)
+        for a, b in zip(got, want):
+            assert np.array_equal(a, b)
+        strict = burstmpi.BurstAttention(comm, causal=True, layout="zigzag", transport="shm")
+        with pytest.raises(shm.NoRoom, match=r"transport 'shm': the ring's buffers need .* MB free; enlarge it"):
+            strict.forward(q, k, v)
+    finally:
+        comm.Free()
