@@ -193,7 +193,9 @@ class KVCache:
                 self._kpos_host[:n].astype(np.int64))
 
     def release(self):
-        """Free this rank's share and the call buffers; the cache cannot be used after."""
+        """Free this rank's share and the call buffers; the cache cannot be used after.
+        Collective where the ranks share a node's memory (``burstmpi.shm``: it frees a window
+        every rank maps), as the calls are."""
         self._k = self._v = self._kpos = self._kpos_host = None
         self._plans.clear()
         self._message = None

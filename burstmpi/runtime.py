@@ -94,6 +94,9 @@ class Runtime:
             return
         agree(self.comm, fn, None, [("runs on", kind)] + list(options))
         if kind == "cuda":
+            if self.transport_name == "shm":  # the same on every rank: agreed on just above
+                raise ValueError(f"{fn}: transport: 'shm' shares host buffers; GPU arrays need 'auto', "
+                                 "'nccl' or 'mpi'")
             self._use_cuda(fn)
         elif self.backend is None or self.backend.name == "cuda":
             if self.backend is not None:  # back from the GPU: host buffers, the host transport
@@ -163,10 +166,6 @@ class Runtime:
     def _gpu_transport(self, fn, cupy, dev):
         """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
         from . import nccl
-
-        if self.transport_name == "shm":  # the same on every rank: ``begin`` agreed on it
-            raise ValueError(f"{fn}: transport: 'shm' shares host buffers; GPU arrays need 'auto', "
-                             "'nccl' or 'mpi'")
 
         everyone = self.comm.allgather((MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
                                         nccl.available()))

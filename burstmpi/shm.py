@@ -157,29 +157,37 @@ class ShmTransport(MPITransport):
 
     def sync(self):
         """``Win_sync``: this rank's writes are visible to the others before its next token
-        leaves, and theirs to it after a token arrived."""
-        self._win.Sync()
+        leaves, and theirs to it after a token arrived (and its reads done before a token
+        that lets another rank write)."""
+        if self._win is not None:
+            self._win.Sync()
 
     def begin(self):
         """A phase starts: every rank has finished reading the last phase's packets."""
-        if self._fence is not None:
-            complete([self._fence], self.idle)
-            self._fence = None
-        elif self._open:  # the last phase ended without finish() (it raised): fence now
-            self.comm.Barrier()
+        if self._fence is None and self._open:  # the last phase raised before finish(): fence now
+            self._fence = self.comm.Ibarrier()
+        self._settle()
         self._open = True
 
     def finish(self):
         """A phase ends (``Runtime.finish``): its fence starts, the next ``begin`` completes it."""
         if self._open:
+            self.sync()
             self._fence = self.comm.Ibarrier()
             self._open = False
 
+    def _settle(self):
+        """Complete the fence that ended the last phase, if one is pending."""
+        if self._fence is not None:
+            complete([self._fence], self.idle)
+            self._fence = None
+            self.sync()
+
     def free(self):
-        """Free the window (collective)."""
+        """Free the window (collective); a phase that began stays begun (a window grown
+        inside ``Runtime.channels`` serves the phase being set up)."""
         if self._win is not None:
-            self.begin()
-            self._open = False
+            self._settle()
             self._arenas = None
             self._win.Unlock_all()
             self._win.Free()
@@ -307,6 +315,7 @@ class ShmPartialChannel:
         if self._acks[i] is not None:
             self.transport.wait([self._acks[i]])
             self._acks[i] = None
+            self.transport.sync()  # the reader's reads before our writes
         raw, views = self._send[i]
         raw.fill(0)
         return views

@@ -187,10 +187,9 @@ def agree(comm, fn, error, signature, length=0, idle=False):
     h = checksum(signature)
     mine = np.array([1 if error else 0, h, int(length)], dtype=np.int64)
     every = np.empty((comm.Get_size(), 3), dtype=np.int64)
-    if idle:
-        complete([comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T])], True)
-    else:
-        comm.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
+    # Nonblocking on every rank whether it sleeps or not: ``idle`` is decided per node, and
+    # a blocking collective never matches a nonblocking one.
+    complete([comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T])], idle)
     if not every[:, 0].any() and (every[:, 1] == h).all():
         return every[:, 2]
     report(comm, fn, error, signature)

@@ -50,7 +50,7 @@ def test_same_bits_as_mpi(case):
 def test_against_float64(mode):
     """The transport built by a test (as a plan's own), against the float64 reference."""
     plan, _ = check_against_float64(C=19, causal=True, layout="zigzag", bwd_comm=mode,
-                                    transport=ShmTransport, tag="shm ")
+                                    transport=transport_for, tag="shm ")
     assert plan.transport.name == "shm"
 
 

@@ -25,11 +25,11 @@ the two are measured side by side). With
 --trace-memory, a first forward and backward on a fresh plan are traced: "oper MB" is
 what the phase cannot do without (its arrays in and out and the plan's ring buffers) and
 "peak MB" the largest total of live NumPy arrays during the call, inputs included
-(tracemalloc), max over ranks. "peak MB/rk" is the process's
-maximum resident set, interpreter and libraries included, and with the "shm" transport the
-pages of the other ranks' packets it read in place (they are counted in every process that
-maps them; on GPUs: the bytes CuPy's memory pool holds). With --backend cuda (the default "auto" picks it when every rank has a GPU)
-the arrays live on each rank's GPU and every phase is timed to the end of its GPU work.
+(tracemalloc), max over ranks. "peak MB/rk" is the process's maximum resident set,
+interpreter and libraries included (with the "shm" transport also the pages of the other
+ranks' packets it read in place: a page counts in every process that maps it; on GPUs: the
+bytes CuPy's memory pool holds). With --backend cuda (the default "auto" picks it when
+every rank has a GPU) the arrays live on each rank's GPU and every phase is timed to the end of its GPU work.
 
 More columns, per configuration: "f+b min/max" are the fastest and slowest rank's
 forward+backward; algbw is the bytes one rank sent in forward and backward over the

@@ -223,10 +223,7 @@ def barrier(comm, idle=False):
     """MPI_Barrier, or with ``idle`` one that sleeps between tests (``comm.complete``).
     MPI_Barrier busy-polls: where ranks take turns on a core, a rank done early would take
     half of its core from the rank still working there, and time that rank's phase slower."""
-    if idle:
-        complete([comm.Ibarrier()], True)
-    else:
-        comm.Barrier()
+    complete([comm.Ibarrier()], idle)  # nonblocking everywhere: ``idle`` may differ by node
 
 
 def idle_barrier(comm):
