@@ -18,11 +18,11 @@ from mpi4py import MPI
 
 from . import ring
 from .backends import NumpyBackend
-from .backends.threads import shares_cores, threads_per_rank
+from .backends.threads import node_masks, shares_cores, threads_per_rank
 from .backends.cupy_backend import CupyBackend
 from .comm import MPITransport, StagedMPITransport, private_comm
 from .config import settings
-from .shm import NoRoom, one_node, transport_for
+from .shm import NoRoom, transport_for
 from .device import import_cupy, node_rank, pick_device
 from .interop import cupyx_pinned, is_host, to_device, to_host
 from .validate import agree
@@ -102,10 +102,11 @@ class Runtime:
             if self.backend is not None:  # back from the GPU: host buffers, the host transport
                 self.release()
                 self.transport = self._default if self._host is None else self._host
+            masks, _ = node_masks(self.comm)  # collective
             if self.transport is self._default:
-                self.transport = self._host_transport(fn)  # collective
+                self.transport = self._host_transport(fn, one_node=len(masks) == self.nranks)
             self._host = self.transport
-            self.transport.idle = shares_cores(self.comm)  # collective: waits sleep if so
+            self.transport.idle = shares_cores(masks)  # waits sleep if so
             threads = threads_per_rank(self.comm, self._threads)  # collective
             error, backend = None, None
             try:  # BURSTMPI_CPU_KERNELS=numba without numba: every rank raises
@@ -129,12 +130,13 @@ class Runtime:
         return agree(self.comm, fn, error, signature if self.check else [], length,
                      idle=getattr(self.transport, "idle", False))
 
-    def _host_transport(self, fn):
-        """How host buffers travel (collective): read in place from a shared window when
-        every rank is on one node (``burstmpi.shm``), unless ``transport='mpi'``; else MPI."""
+    def _host_transport(self, fn, one_node):
+        """How host buffers travel: read in place from a shared window when every rank is on
+        one node (``one_node``, the same on every rank; ``burstmpi.shm``), unless
+        ``transport='mpi'``; else MPI."""
         if self.nranks == 1 or self.transport_name == "mpi":
             return MPITransport(self.comm)
-        if one_node(self.comm):
+        if one_node:
             return transport_for(self.comm)  # every plan on this communicator shares its window
         if self.transport_name == "shm":
             raise ValueError(f"{fn}: transport: 'shm' needs every rank on one node, but the ranks of "

@@ -42,8 +42,7 @@ from mpi4py import MPI
 
 from .comm import Channel, MPITransport, PartialChannel, _packet, complete
 
-__all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "one_node", "transport_for",
-           "free_shared_bytes"]
+__all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
 
 # A partial's acknowledgement travels back on its own tag: with two ranks the neighbour
 # the partials come from is the one they go to.
@@ -70,15 +69,6 @@ class NoRoom(RuntimeError):
     """The node's shared memory cannot hold the window (raised alike on every rank)."""
 
 
-def one_node(comm):
-    """Are all ranks of ``comm`` on one node, sharing its memory? (collective)"""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size() == comm.Get_size()
-    finally:
-        node.Free()
-
-
 def transport_for(comm):
     """The ``ShmTransport`` of ``comm`` (burstmpi's private communicator), created on first
     use and kept as an attribute of the communicator, as ``comm.private_comm`` keeps it."""
@@ -95,7 +85,7 @@ def transport_for(comm):
 class ShmTransport(MPITransport):
     """MPI transfers (the gradient partials), plus a shared window for the ring buffers.
 
-    ``comm``'s ranks must share one node's memory (``one_node``)."""
+    ``comm``'s ranks must share one node's memory."""
 
     name = "shm"
 

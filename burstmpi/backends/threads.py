@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from .workspace import Workspace
 
-__all__ = ["Workers", "cores", "threads_per_rank", "shares_cores", "one_blas_thread"]
+__all__ = ["Workers", "cores", "threads_per_rank", "node_masks", "shares_cores", "one_blas_thread"]
 
 
 def cores():
@@ -42,15 +42,20 @@ def threads_per_rank(comm, setting=0):
     return setting if setting > 0 else max(1, cores() // here)
 
 
-def shares_cores(comm):
-    """Do the ranks of ``comm`` on this node outnumber the cores their affinity masks cover
-    together, so that some take turns on a core? (collective)"""
+def node_masks(comm):
+    """The affinity masks (frozensets of cores; None where the OS has none) of the ranks of
+    ``comm`` on this node, in node-rank order, and this rank's node rank (collective)."""
     mask = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        masks = node.allgather(mask)
+        return node.allgather(mask), node.Get_rank()
     finally:
         node.Free()
+
+
+def shares_cores(masks):
+    """Do the ranks of a node (``node_masks``' masks) outnumber the cores their masks cover
+    together, so that some take turns on a core?"""
     covered = (os.cpu_count() or 1) if None in masks else len(frozenset().union(*masks))
     return len(masks) > covered
 

@@ -15,7 +15,7 @@ every core while the other ranks wait. The library itself never sets affinity.
 
 import os
 
-from mpi4py import MPI
+from ..backends.threads import node_masks
 
 __all__ = ["core_for", "bind_ranks"]
 
@@ -33,15 +33,11 @@ def bind_ranks(comm, setting="auto", torch=False):
     """Collective on ``comm``: pin this rank (this thread, and the threads it starts later)
     to ``core_for``'s core when ``setting`` is "auto" and no torch timer runs. Returns the
     preamble's line (rank 0's node) and the mask to restore afterwards (None: unchanged)."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        mine = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
-        masks, here = node.allgather(mine), node.Get_rank()
-    finally:
-        node.Free()
-    ranks, ncores = len(masks), len(masks[0])
+    masks, here = node_masks(comm)
+    mine = masks[here]
+    ranks, ncores = len(masks), len(masks[0] or ())
     core = core_for(masks, here) if ncores else None
-    if not ncores:
+    if mine is None:
         why = "no CPU affinity on this system"
     elif core is None:
         why = "ranks do not outnumber cores, or the launcher bound them"

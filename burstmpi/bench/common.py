@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__, regress
-from ..backends.threads import cores, shares_cores
+from ..backends.threads import cores, node_masks, shares_cores
 from ..comm import complete
 from ..interop import bfloat16
 from .binding import bind_ranks
@@ -299,7 +299,7 @@ def sweep(comm, *, bind="auto", torch=False, **kw):
     process's own placement comes back afterwards); the rest: ``_sweep``'s."""
     limiter, threads_line = blas_threads(comm)  # noqa: F841 (kept alive for the run)
     bind_line, placement = bind_ranks(comm, bind, torch)  # after: the BLAS line counts the node's cores
-    kw["dev"].idle = shares_cores(comm)
+    kw["dev"].idle = shares_cores(node_masks(comm)[0])  # as placed now
     if kw["dev"].idle:
         bind_line += "; ranks share cores, so the bench's barriers sleep instead of spinning"
     try:
