@@ -286,16 +286,21 @@ class KVCache:
         return out
 
     def load(self, k, v, *, layout="contiguous"):
-        """Fill the empty cache with a prompt's keys and values (this rank's part, as
+        """Put a prompt's keys and values in the cache (this rank's part, as
         ``burstmpi.shard(x, layout=layout)`` gives it) without computing attention: for a
-        prefill done elsewhere, or a benchmark. Collective."""
+        prefill done elsewhere, or a benchmark. Collective.
+
+        On a cache that holds tokens it appends the next positions, ``seqlen`` onwards, the
+        piece sharded by ``layout`` as if it were a sequence of its own: a cache too large to
+        hold twice (once in the caller's arrays, once in the cache) is loaded in pieces."""
         fn = "KVCache.load"
-        h, lay, _ = self._admit(fn, {"k": k, "v": v}, layout)
+        h, lay, _ = self._admit(fn, {"k": k, "v": v}, layout, append=True)
         self._keep(fn, h, lay, self.heads)
 
-    def _admit(self, fn, arrays, layout):
-        """Check a prompt on every rank (one collective): its arrays in the cache's memory,
-        the global layout its parts make, its query heads."""
+    def _admit(self, fn, arrays, layout, append=False):
+        """Check a prompt (``append``: or a piece after the cached tokens) on every rank (one
+        collective): its arrays in the cache's memory, the global layout its parts make,
+        its query heads."""
         rt = self.runtime
         error, h, C, Z = None, None, 0, None
         self._begin(fn, arrays)
@@ -304,7 +309,11 @@ class KVCache:
                 raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
             h = self._local(fn, arrays)
             C, Z = self._check(fn, h, decoding=False)
-            if self.seqlen:
+            if append and self.left < 0 and rt.nranks > 1 and C > self.slots - self._n:
+                raise ValueError(f"{fn}: k.shape[1]: this rank has {self.slots - self._n} free slots of its "
+                                 f"{self.slots} (capacity={self.capacity} over {rt.nranks} ranks), got {C} "
+                                 "tokens: load pieces whose tokens spread evenly over the ranks")
+            if self.seqlen and not append:
                 raise ValueError(f"{fn}: the cache already holds {self.seqlen} tokens; {fn.split('.')[1]} fills "
                                  "an empty cache (append a chunk with decode(q, k, v): any number of new "
                                  "tokens, the same on every rank)")
@@ -313,8 +322,9 @@ class KVCache:
         lengths = rt.agree(fn, error, [("layout", layout), ("heads", Z)] + list(self._signature), C)
         lay = global_layout(fn, "k.shape[1]", layout, rt.nranks, lengths, None)
         N = lay.seqlen
-        if self.left < 0 and N > self.capacity:
-            raise ValueError(f"{fn}: k: a prompt of {N} tokens (the sum over ranks) does not fit "
+        if self.left < 0 and self.seqlen + N > self.capacity:
+            held = f" after the {self.seqlen} cached" if self.seqlen else ""
+            raise ValueError(f"{fn}: k: a prompt of {N} tokens (the sum over ranks){held} does not fit "
                              f"capacity={self.capacity}")
         if self.left >= 0 and min(N, self.left) > self.capacity:
             raise ValueError(f"{fn}: capacity: expected at least the window's {self.left} tokens "
@@ -327,10 +337,11 @@ class KVCache:
         rt = self.runtime
         with abort_on_device_error(rt.comm):
             if self.left < 0:
-                self._store(h["k"], h["v"], lay.positions(rt.rank))
+                self._store(h["k"], h["v"], self.seqlen + lay.positions(rt.rank))
             else:
+                self._drop_older_than(self.seqlen + lay.seqlen - self.left)
                 self._store_window_tail(fn, h["k"], h["v"], lay)
-        self.seqlen, self.heads = lay.seqlen, Z
+        self.seqlen, self.heads = self.seqlen + lay.seqlen, Z
         self._shape = (1, Z)
 
     def _store(self, k, v, positions):
@@ -344,23 +355,44 @@ class KVCache:
             self._kpos[self._n:self._n + n] = xp.asarray(self._kpos_host[self._n:self._n + n])
         self._n += n
 
+    def _drop_older_than(self, oldest):
+        """Windowed load after cached tokens: keep only the slots of positions >= ``oldest``,
+        moved to the front in position order (the ring buffer restarts at slot 0)."""
+        n = self._n
+        pos = self._kpos_host[:n].copy()
+        keep = np.nonzero(pos >= oldest)[0]
+        keep = keep[np.argsort(pos[keep], kind="stable")]
+        m = len(keep)
+        if m == n and self._head == 0 and (keep == np.arange(n)).all():
+            return
+        xp = self.runtime.backend.xp
+        idx = keep if xp is np else xp.asarray(keep)
+        self._k[:, :, :m] = self._k[:, :, idx]  # the gather copies before it writes
+        self._v[:, :, :m] = self._v[:, :, idx]
+        self._kpos_host[:m], self._kpos_host[m:n] = pos[keep], -1
+        if self._kpos is not self._kpos_host:
+            self._kpos[:n] = xp.asarray(self._kpos_host[:n])
+        self._n, self._head = m, 0
+
     def _store_window_tail(self, fn, k, v, lay):
-        """Windowed prefill: keep only the positions a later query can see (the last
-        ``left``), dealt round-robin by position: one all-to-all of those rows."""
+        """Windowed prefill (or load): keep only the positions a later query can see (the
+        last ``left``), dealt round-robin by position: one all-to-all of those rows.
+        Positions count from ``seqlen``, the tokens cached before."""
         rt = self.runtime
         P, me = rt.nranks, rt.rank
-        live = lambda pos: pos >= lay.seqlen - self.left
+        S = self.seqlen
+        live = lambda pos: pos >= lay.seqlen - self.left  # positions in the piece
         B, Zkv, d, dv = self.batch, self.kv_heads, self.head_dim, self.v_head_dim
         row = B * Zkv * (d + dv) * self.dtype.itemsize  # bytes of one token's keys and values
         mine = lay.positions(me)
         keep = np.nonzero(live(mine))[0]
-        dest = mine[keep] % P
+        dest = (S + mine[keep]) % P
         order = np.argsort(dest, kind="stable")
         rows = keep[order]
         send_counts = np.bincount(dest, minlength=P)
         # Every rank's positions are known everywhere: what comes from whom, in which order.
         src_pos = [lay.positions(r)[live(lay.positions(r))] for r in range(P)]
-        src_pos = [p[p % P == me] for p in src_pos]
+        src_pos = [S + p[(S + p) % P == me] for p in src_pos]
         recv_counts = np.array([len(p) for p in src_pos])
         xp = rt.backend.xp
         idx = rows if xp is np else xp.asarray(rows)
@@ -374,8 +406,9 @@ class KVCache:
         pos = np.concatenate(src_pos)
         order = np.argsort(pos, kind="stable")  # slots in position order: the oldest first
         got = recv.view(self.dtype)[order]
-        # At most ceil(left / P) tokens each: the capacity check of _admit (left <= capacity) keeps it in the slots.
-        assert len(got) <= self.slots, (len(got), self.slots)
+        # At most ceil(left / P) live tokens each, those kept from before included
+        # (``_drop_older_than``): _admit's check (left <= capacity) keeps them in the slots.
+        assert self._n + len(got) <= self.slots, (self._n, len(got), self.slots)
         xp = rt.backend.xp
         split = lambda a, e: np.ascontiguousarray(a.reshape(-1, B, Zkv, e).transpose(1, 0, 2, 3))
         kn, vn = split(got[:, :B * Zkv * d], d), split(got[:, B * Zkv * d:], dv)

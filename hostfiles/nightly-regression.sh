@@ -33,6 +33,7 @@ case $status in
     0) echo "# nightly: OK" ;;
     1) echo "# nightly: WRONG VALUES (exit 1)" ;;
     3) echo "# nightly: PERFORMANCE REGRESSION (exit 3)" ;;
+    4) echo "# nightly: A ROW DID NOT FIT IN MEMORY, REFUSED (exit 4; see # REFUSED)" ;;
     *) echo "# nightly: FAILED (exit $status)" ;;
 esac
 exit "$status"

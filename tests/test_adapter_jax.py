@@ -9,6 +9,7 @@ import burstmpi
 from adapters_common import B, H, D, LAYOUTS, MASKS, dense_weight_grad, docs_for, local_rows, split, step_problem
 from conftest import COMM, NRANKS
 
+pytestmark = pytest.mark.extras  # .ci/run's second phase, with the optional packages
 jax = pytest.importorskip("jax")
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402

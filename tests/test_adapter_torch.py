@@ -12,6 +12,7 @@ from adapters_common import (B, H, D, LAYOUTS, MASKS, dense_weight_grad, docs_fo
                              split, step_problem)
 from conftest import COMM, NRANKS, RANK
 
+pytestmark = pytest.mark.extras  # .ci/run's second phase, with the optional packages
 torch = pytest.importorskip("torch")
 bt = pytest.importorskip("burstmpi.torch")
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -303,3 +304,77 @@ def test_decode_mode_window():
     assert res.exit_code == 0, res.output + repr(res.exception)
     if RANK == 0:
         assert "# Out of bounds values : 0 OK" in res.output
+
+
+def test_legend_defines_every_column_of_both_modes():
+    from burstmpi.bench import attention, decode
+
+    for mode, flags in ((attention, []), (decode, ["--decode"])):
+        res = CliRunner().invoke(main, ["--legend", *flags])
+        assert res.exit_code == 0, res.output
+        if RANK == 0:
+            lines = [l for l in res.output.splitlines() if l.startswith("# ")]
+            columns = getattr(mode, "ALL_COLUMNS", mode.COLUMNS)
+            assert len(lines) == 1 + len(columns) and set(mode.LEGEND) == {c[0] for c in columns}
+            assert all(len(l.split(None, 2)) == 3 for l in lines[1:]), lines
+
+
+def test_preamble_names_the_backend_and_the_legend(tmp_path):
+    res = CliRunner().invoke(main, SMALL + ["-e", f"{32 * NRANKS}", "-m", "causal", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    if RANK == 0:
+        first = res.output.splitlines()[0]
+        assert "backend cpu (numba tiles over " in first and " sgemm)" in first or \
+            "backend cpu (NumPy tile loops" in first, first
+        assert "#  Columns: burstmpi-bench --legend prints one line per column" in res.output
+        assert "device cpu (numpy)" not in res.output
+
+
+def test_budget_skips_baselines_and_refuses_rows_on_every_rank():
+    """Stages sum over the ranks of a node (here: every rank) against --mem-limit; an
+    optional one that does not fit is skipped with a line, a required one refuses."""
+    from burstmpi.bench.memory import Budget, Refused, Stage, rss_bytes
+
+    MB = 1 << 20
+    budget = Budget(MPI.COMM_WORLD, limit=100 * MB * NRANKS)
+    assert budget.node_size == NRANKS  # one machine
+    plan = budget.plan([Stage("the row", host=60 * MB),
+                        Stage("a baseline", host=150 * MB, required=False, why="its columns show -"),
+                        Stage("rank 0 alone", host=90 * MB * NRANKS if RANK == 0 else 0, required=False),
+                        Stage("in a window", host=10 * MB, shared=20 * MB, peers=70 * MB * (NRANKS - 1))],
+                       "row x")
+    assert plan.runs == {"the row": True, "a baseline": False, "rank 0 alone": True, "in a window": True}
+    assert len(plan.lines) == 1 and plan.lines[0].startswith("# row x: skipped a baseline needs "), plan.lines
+    assert plan.lines[0].endswith("on the node of rank 0, which has "
+                                  f"{100 * MB * NRANKS / 2**30:.2f} GiB to give (--mem-limit); its columns show -")
+    # The estimate: the resident set at the start plus the largest stage that ran here
+    # (shared pages and the peers' ones it maps count for this rank's resident set).
+    largest = max(60, 90 * NRANKS if RANK == 0 else 0, 30 + 70 * (NRANKS - 1)) * MB
+    assert largest < plan.estimate <= largest + rss_bytes() + 64 * MB
+    with pytest.raises(Refused, match=r"row y: refused, it does not fit in memory: the row needs .* GiB on the "
+                                      r"node of rank 0, .*; -c 0 drops it"):
+        budget.plan([Stage("the row", host=101 * MB, why="-c 0 drops it")], "row y")
+
+
+def test_a_row_that_does_not_fit_is_refused_with_exit_4():
+    for flags in (SMALL, DECODE):
+        res = CliRunner().invoke(main, flags + ["-e", flags[flags.index("-b") + 1], "--no-progress",
+                                                "--mem-limit", "1K"])
+        assert res.exit_code == 4, res.output + repr(res.exception)
+        if RANK == 0:
+            assert "# REFUSED " in res.output and "it does not fit in memory" in res.output
+            assert re.search(r"# Rows refused for memory : [12] FAILED", res.output), res.output
+            assert not [l for l in res.output.splitlines() if l and not l.startswith("#")]  # no data row
+
+
+def test_the_peak_is_per_row():
+    """The resident set's high-water mark restarts before each row: a row after a larger
+    one reports its own peak."""
+    from burstmpi.bench.memory import peak_bytes, reset_peak
+
+    big = np.ones(256 << 17)  # 256 MB, touched
+    before = peak_bytes()
+    del big
+    if not reset_peak():
+        pytest.skip("the kernel cannot reset the peak here (not Linux)")
+    assert peak_bytes() < before - (200 << 20)

@@ -270,3 +270,49 @@ def test_a_decode_allocates_nothing_proportional_to_the_cache(monkeypatch):
         tracemalloc.stop()
         cache.release()
     assert peaks[1] < 1.5 * peaks[0] + 65536, peaks
+
+
+@pytest.mark.parametrize("window", [None, (7, 0), (40, 0)])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_load_in_pieces_equals_load_at_once(window, layout):
+    """A cache loaded in pieces (appended from ``seqlen`` on) decodes as exactly as one loaded
+    at once (each rank then holds other tokens: the bits may differ, float64 decides), the
+    same on every rank; a windowed one keeps only the live tail either way."""
+    N, pieces, Ts = 37, (10, 1, 26), (1, 3, 1)
+    total = N + sum(Ts)
+    q, k, v, _ = ref.random_problem(1, total, 4, 2, 16, seed=3)
+    cap = total if window is None else window[0] + max(Ts)
+    results = []
+    for split in ((N,), pieces):
+        cache = burstmpi.KVCache(capacity=cap, batch=1, kv_heads=2, head_dim=16, window=window)
+        S = 0
+        for n in split:
+            sh = lambda x: burstmpi.shard(x[:, S:S + n], layout=layout)
+            cache.load(sh(k), sh(v), layout=layout)
+            S += n
+            assert cache.seqlen == S
+        outs, S = [], N
+        for T in Ts:
+            outs.append(cache.decode(*(x[:, S:S + T] for x in (q, k, v))))
+            S += T
+        results.append(np.concatenate(outs, axis=1))
+    o64, _ = ref.forward(q, k, v, causal=True, window=window)
+    op, _ = ref.forward(q, k, v, causal=True, window=window, precision="plain")
+    for out in results:
+        check_close("decode out", out, o64[:, N:], op[:, N:], "float32")
+        assert len(set(COMM.allgather(zlib.crc32(out.tobytes())))) == 1
+
+
+def test_load_past_the_capacity_or_a_rank_s_slots_raises_everywhere():
+    cache = _cache(capacity=4 * NRANKS)
+    _, k, v = _problem(T=3 * NRANKS)
+    cache.load(burstmpi.shard(k), burstmpi.shard(v))
+    _, k, v = _problem(T=2 * NRANKS)
+    with pytest.raises(ValueError, match=rf"a prompt of {2 * NRANKS} tokens .* after the {3 * NRANKS} cached "
+                                         rf"does not fit capacity={4 * NRANKS}"):
+        cache.load(burstmpi.shard(k), burstmpi.shard(v))
+    if NRANKS > 1:  # three tokens on rank 0: more than its 2 free slots, though the capacity has room
+        _, k, v = _problem(T=3)
+        mine = [x if RANK == 0 else x[:, :0] for x in (k, v)]
+        with pytest.raises(ValueError, match=r"rank 0: KVCache.load: k.shape\[1\]: this rank has 2 free slots"):
+            cache.load(*mine)

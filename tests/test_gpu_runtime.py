@@ -17,6 +17,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the machine
     cupy = None
 
+pytestmark = pytest.mark.extras  # again in .ci/run's second phase, with CuPy and NCCL installed
+
 
 def _gpu_usable():
     try:

@@ -7,6 +7,7 @@ import burstmpi
 
 from conftest import NRANKS
 
+pytestmark = pytest.mark.extras  # .ci/run's second phase, with the optional packages
 torch = pytest.importorskip("torch")
 
 

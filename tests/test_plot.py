@@ -5,6 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+pytestmark = pytest.mark.extras  # .ci/run's second phase, with the optional packages
 pytest.importorskip("matplotlib")
 
 from burstmpi.plot import main  # noqa: E402

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..config import settings
 
-__all__ = ["sgemm", "available", "describe", "library", "ROW_MAJOR", "NO_TRANS", "TRANS"]
+__all__ = ["sgemm", "available", "describe", "short_name", "library", "ROW_MAJOR", "NO_TRANS", "TRANS"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS_ORDER / CBLAS_TRANSPOSE
 SYMBOL = "burstmpi_cblas_sgemm"  # the name compiled code calls
@@ -173,6 +173,22 @@ def describe():
         return f"no sgemm ({available()})"
     path, symbol, how = library
     return f"{symbol} ({os.path.basename(path)}{'; ' + how if how else ''})"
+
+
+def short_name():
+    """The bound BLAS in a word or two (the bench's backend line): "OpenBLAS", "oneMKL
+    2026.2", or the library's file name."""
+    if library is None:
+        return "no"
+    path, _, how = library
+    base = os.path.basename(path).lower()
+    if how.startswith("oneMKL"):
+        return how.split(":")[0]
+    if "openblas" in base:
+        return "OpenBLAS"
+    if "mkl" in base:
+        return "oneMKL"
+    return os.path.basename(path)
 
 
 def available():

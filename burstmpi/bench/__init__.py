@@ -4,11 +4,13 @@
     mpiexec -n 4 burstmpi-bench -b 4K -e 32K -f 2 -d all -J out.json
     mpiexec -n 4 burstmpi-bench --decode -b 16K -e 256K -f 4    # decode over a sharded KV cache
 
-One command, two modes, each in its own module with its columns documented there:
-``burstmpi.bench.attention`` (the default) and ``burstmpi.bench.decode`` (``--decode``).
-Both print the same way (``burstmpi.bench.common``: preamble, one row per configuration,
-footer, ``-J`` JSON rows, ``--baseline`` regression mode, ``--junit``) and exit non-zero
-when a value is wrong (1) or a configuration regressed (3).
+One command, two modes, each in its own module with its columns defined there (``LEGEND``;
+``--legend`` prints them): ``burstmpi.bench.attention`` (the default) and
+``burstmpi.bench.decode`` (``--decode``). Both print the same way (``burstmpi.bench.common``:
+preamble, one row per configuration, footer, ``-J`` JSON rows, ``--baseline`` regression
+mode, ``--junit``), check each row's memory before it runs (``burstmpi.bench.memory``) and
+exit non-zero when a value is wrong (1), a row did not fit in memory (4) or a
+configuration regressed (3).
 """
 
 import click
@@ -17,7 +19,7 @@ from mpi4py import MPI
 from . import attention, decode as decode_mode
 from ..layout import LAYOUTS
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
-from .common import DTYPES, cpu_line, parse_size, parse_window
+from .common import DTYPES, cpu_line, legend, parse_size, parse_window
 
 __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
 
@@ -75,6 +77,12 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
 @click.option("--junit", "junit_path", default=None, help="Write JUnit XML (one test case per row).")
 @click.option("--progress/--no-progress", default=None,
               help="Progress lines on stderr (rank 0); default: on for sweeps of several rows.")
+@click.option("--mem-limit", default=None, callback=lambda ctx, p, v: None if v is None else parse_size(ctx, p, v),
+              help="Bytes the bench may plan to use per node (K/M/G suffixes, e.g. 16G); default: 85 % of "
+                   "what each node has free. Baselines that do not fit are skipped, rows refused (exit 4).")
+@click.option("--legend", is_flag=True,
+              help="Print one line per column (its header, unit and definition) and exit; with --decode, "
+                   "the decode mode's columns.")
 @click.option("--decode", is_flag=True,
               help="Decode mode: -b/-e/-f sweep the cached length of a KVCache, -T new tokens per call; "
                    "compared with the ring way and one rank (burstmpi/bench/decode.py).")
@@ -84,6 +92,12 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
 def main(ctx, **opts):
     """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
     comm = MPI.COMM_WORLD
+    if opts.pop("legend"):
+        if comm.Get_rank() == 0:
+            mode = decode_mode if opts["decode"] else attention
+            click.echo("\n".join(legend(mode.ALL_COLUMNS if hasattr(mode, "ALL_COLUMNS") else mode.COLUMNS,
+                                         mode.LEGEND)))
+        return
     if opts.pop("decode"):
         decode_mode.main(comm, ctx, opts)
     else:

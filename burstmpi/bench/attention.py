@@ -10,48 +10,28 @@ Only rank 0 prints. Every line that is not a data row starts with ``#``. Each ro
 one configuration; times are the mean over ``-n`` iterations on each rank, reduced
 over ranks by ``-a`` (default: the slowest rank, which is what the job waits for).
 
-Columns: seqlen is the global sequence length; fwd/bwd/f+b are forward, backward and
-forward+backward times in ms and TFLOP/s per rank (FLOPs by flash-attn's convention:
-forward 4 B Z N^2 d, halved when causal, backward 2.5x forward; per rank = total / P /
-time); "TF/s all" is the whole job's rate; MB/rk is what one rank sent in the forward and
-the backward (max over ranks); skip is ring steps skipped (sum over ranks); #wrong counts
-values outside the dtype's tolerance against float64: out, lse and dq on 64 sampled query
-rows, and dk, dv on the same sampled key rows (given the forward's lse and out). The job
-exits non-zero if any #wrong is non-zero. With --torch, rank 0 also
-runs PyTorch's scaled_dot_product_attention on the whole global problem (with all the
-threads torch takes), and ``vs torch`` is our aggregate TFLOP/s over torch's (torch's time is,
-like ours, the mean over ``-n`` timed iterations after a warm-up, one after each of ours, so
-the two are measured side by side). With
---trace-memory, a first forward and backward on a fresh plan are traced: "oper MB" is
-what the phase cannot do without (its arrays in and out and the plan's ring buffers) and
-"peak MB" the largest total of live NumPy arrays during the call, inputs included
-(tracemalloc), max over ranks. "peak MB/rk" is the process's maximum resident set,
-interpreter and libraries included (with the "shm" transport also the pages of the other
-ranks' packets it read in place: a page counts in every process that maps it; on GPUs: the
-bytes CuPy's memory pool holds). With --backend cuda (the default "auto" picks it when
-every rank has a GPU) the arrays live on each rank's GPU and every phase is timed to the end of its GPU work.
+``LEGEND`` defines every column (``burstmpi-bench --legend`` prints it). In short: forward,
+backward and forward+backward times and TFLOP/s (FLOPs by flash-attn's convention), bytes
+each rank sent, the time inside the local kernels against the time waiting on transfers,
+``vs local`` (the ring's per-rank rate over the local kernel's alone on one unmasked block
+of the same per-rank shape, timed side by side between the ring's iterations), skipped
+steps, the load imbalance, memory, and ``#wrong`` (sampled rows of out, lse, dq, dk, dv
+against float64; the job exits 1 if any is wrong). ``--torch`` times PyTorch's
+scaled_dot_product_attention on the whole problem on rank 0, an iteration after each of
+ours; ``--docs SPEC`` packs every length with documents (``burstmpi.packing``) and also
+runs them the way ring-attention peers force users to, each padded to a multiple of 2P
+and run as its own zigzag sequence; ``--trace-memory`` traces a first forward and
+backward's NumPy allocations. With --backend cuda (the default "auto" picks it when every
+rank has a GPU) the arrays live on each rank's GPU and every phase is timed to the end of
+its GPU work.
 
-More columns, per configuration: "f+b min/max" are the fastest and slowest rank's
-forward+backward; algbw is the bytes one rank sent in forward and backward over the
-forward+backward time (GB/s), and busbw equals it (each ring step is a send and a receive
-per link, nccl-tests' sendrecv bus factor 1); "comp ms" is the time inside the local
-kernels and "exposed ms" the time spent waiting on transfers (both max over ranks), and
-"overlap" is comp / (comp + exposed): 1.00 means every transfer was hidden behind compute;
-"vs local" is the per-rank f+b TFLOP/s over that of the local kernel alone on one unmasked
-block of the same per-rank shape, the largest ranks' when lengths differ (the single-device
-rate the ring is measured against): every rank runs it at once, between the ring's timed
-iterations (after each one, as many samples as the ring's), and its times are reduced over
-ranks as the ring's are.
-
-With ``--docs SPEC`` every global length is packed with documents (``burstmpi.packing``:
-fixed:LEN, lognormal:MEAN, file:PATH) and attention stays inside each one. "docs" is the
-number of documents per row and "imbal" the load imbalance: the largest number of
-visible (query, key) pairs a rank computed in the forward over the mean (1.00 = every
-rank does the same work). Beside it the same documents run the way ring-attention peers
-force users to: each document padded to a multiple of 2P tokens and run as its own zigzag
-sequence, one after the other ("pad f+b" ms and "pad MB/rk", timed only, not checked);
-"pad tok x" is padded tokens over real ones and "vs padded" the padded way's f+b time over
-ours (above 1: we are faster).
+Memory (``burstmpi.bench.memory``): before each row the bench estimates what one rank
+holds while the ring runs (its inputs, results, the plan's working arrays and ring
+buffers), while the float64 check runs (the global q, k, v and dout it gathers), while
+torch runs (rank 0: the global problem, torch's copies and gradients) and while the padded
+way runs, sums them over each node's ranks and compares with what the node has free: a
+baseline (torch, padded) that does not fit is skipped with a ``#`` line, a row whose ring
+or check does not fit is refused (exit 4; ``-c 0`` drops the check).
 
 Every run's preamble names the CPU and its vector extensions (AVX2, AVX-512): NumPy's
 elementwise speed, and so every CPU figure, depends on them.
@@ -73,10 +53,12 @@ from ..api import shard_indices, unshard
 from ..masks import Mask, Window
 from ..plan import BurstAttention
 from ..layout import LAYOUTS
-from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, choices, cores, idle_barrier, np_dtype,
-                     resolve_device, seqlens, sweep, timed, wall)
+from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, cores, idle_barrier,
+                     np_dtype, resolve_device, say, seqlens, sweep, timed, wall)
+from .memory import Budget, Stage
 
-__all__ = ["COLUMNS", "CONFIG_KEYS", "PRESETS", "check_docs", "flops", "run_config", "main"]
+__all__ = ["COLUMNS", "ALL_COLUMNS", "LEGEND", "CONFIG_KEYS", "PRESETS", "check_docs", "flops", "run_config",
+           "main"]
 
 CHECK_ROWS = 64
 
@@ -97,8 +79,8 @@ COLUMNS = [
     ("compute_ms", "comp", "ms", 9, ".1f"), ("exposed_ms", "exposed", "ms", 8, ".1f"),
     ("overlap", "overlap", "", 7, ".2f"), ("vs_local", "vs", "local", 6, ".2f"),
     ("steps_skipped", "skip", "steps", 5, "d"), ("docs", "docs", "/row", 5, "d"),
-    ("imbalance", "imbal", "pairs", 5, ".2f"), ("peak_mb", "peak", "MB/rk", 7, ".0f"),
-    ("wrong", "#wrong", "", 6, "d"),
+    ("imbalance", "imbal", "pairs", 5, ".2f"), ("est_mb", "est", "MB/rk", 7, ".0f"),
+    ("peak_mb", "peak", "MB/rk", 7, ".0f"), ("wrong", "#wrong", "", 6, "d"),
 ]
 
 
@@ -141,6 +123,55 @@ TORCH_COLUMNS = [
 ]
 
 
+ALL_COLUMNS = COLUMNS + MEMORY_COLUMNS + PADDED_COLUMNS + TORCH_COLUMNS
+
+
+# One line per column for --legend (header and unit are the table's).
+LEGEND = {
+    "seqlen": "global sequence length (tokens over all ranks)", "heads": "query heads (-H)",
+    "kv_heads": "key/value heads (-K)", "head_dim": "head dim (-D)", "dtype": "the inputs' dtype",
+    "causal": "1: causal mask", "layout": "how tokens are dealt to ranks (-l)",
+    "bwd_mode": "the backward's communication (burst, ring, two-way: --bwd)",
+    "fwd_ms": "forward, mean over -n iterations, reduced over ranks by -a (default: the slowest rank)",
+    "fwd_tflops": "forward TFLOP/s per rank: flash-attn's FLOPs (4 B H N^2 d, halved when causal; visible "
+                  "pairs with a window or documents) / ranks / time",
+    "bwd_ms": "backward, as fwd", "bwd_tflops": "backward TFLOP/s per rank (2.5 x the forward's FLOPs)",
+    "fwdbwd_ms": "forward + backward", "fwdbwd_tflops": "forward + backward TFLOP/s per rank",
+    "fwdbwd_tflops_all": "the whole job's forward + backward TFLOP/s",
+    "fwdbwd_ms_min": "the fastest rank's forward + backward", "fwdbwd_ms_max": "the slowest rank's",
+    "fwd_mb_sent": "bytes one rank sent in the forward (max over ranks)",
+    "bwd_mb_sent": "bytes one rank sent in the backward (max over ranks)",
+    "algbw": "bytes one rank sent in forward and backward / f+b time",
+    "busbw": "algbw x nccl-tests' sendrecv bus factor (1: each step is one send and one receive per link)",
+    "compute_ms": "time inside the local kernels, forward + backward (max over ranks)",
+    "exposed_ms": "time waiting on transfers, forward + backward (max over ranks)",
+    "overlap": "comp / (comp + exposed): 1.00 means every transfer was hidden behind compute",
+    "vs_local": "per-rank f+b TFLOP/s over the local kernel's alone on one unmasked block of the same "
+                "per-rank shape (the largest ranks'), timed on every rank at once between the ring's iterations",
+    "steps_skipped": "ring steps skipped in the forward, summed over ranks (fully masked blocks)",
+    "docs": "documents per row (--docs)",
+    "imbalance": "the most visible (query, key) pairs a rank computed in the forward over the mean (1.00: balanced)",
+    "est_mb": "memory one rank was estimated to need before the row (its resident set then plus the largest "
+              "part of the row that ran), max over ranks",
+    "peak_mb": "the resident set's peak during the row (GPUs: CuPy's pool), max over ranks; shared-memory "
+               "pages (transport shm) count in every rank that reads them",
+    "wrong": "sampled values outside the dtype's tolerance against float64: out, lse, dq on 64 query rows, dk, "
+             "dv on the same key rows (-1: not checked)",
+    "fwd_operands_mb": "--trace-memory: what the forward cannot do without (its arrays in and out, ring buffers)",
+    "fwd_traced_peak_mb": "--trace-memory: the largest total of live NumPy arrays in a first forward",
+    "bwd_operands_mb": "--trace-memory: as fwd oper, for the backward",
+    "bwd_traced_peak_mb": "--trace-memory: as fwd peak, for the backward",
+    "pad_fwdbwd_ms": "--docs: f+b of the documents run the padded way (each padded to a multiple of 2P, its "
+                     "own zigzag sequence; timed, not checked)",
+    "pad_mb_sent": "--docs: bytes one rank sent the padded way", "pad_ratio": "--docs: padded tokens over real ones",
+    "vs_padded": "--docs: pad f+b / f+b (above 1: burstmpi is faster)",
+    "torch_fwd_tflops": "--torch: torch SDPA's forward TFLOP/s on the whole problem (rank 0, every core)",
+    "torch_fwdbwd_tflops": "--torch: torch's forward + backward TFLOP/s",
+    "vs_torch_fwd": "--torch: our job's forward TFLOP/s over torch's (above 1: burstmpi is faster)",
+    "vs_torch_fwdbwd": "--torch: the same for forward + backward",
+}
+
+
 def flops(batch, seqlen, heads, head_dim, causal, phase="fwd", window=None, cu_seqlens=None):
     """Attention FLOPs by flash-attn's convention (backward = 2.5 x forward).
 
@@ -179,8 +210,13 @@ def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlen
     kg, vg = unshard(k, **lay), unshard(v, **lay)
     qg, dog = unshard(q, **lay), unshard(do, **lay)
     lse_g = unshard(lse, axis=2, **lay)
-    delta = (np.asarray(do, np.float64) * np.asarray(out, np.float64)).sum(axis=-1).transpose(0, 2, 1)
-    delta_g = unshard(np.ascontiguousarray(delta), axis=2, **lay)
+    # delta = rowsum(do * out) in float64, a block of rows at a time (no float64 copy of the shard)
+    delta = np.empty(out.shape[:1] + out.shape[2:3] + out.shape[1:2])
+    for a in range(0, out.shape[1], reference.CHUNK):
+        b = a + reference.CHUNK
+        delta[:, :, a:b] = np.einsum("bnhd,bnhd->bhn", np.asarray(do[:, a:b], np.float64),
+                                     np.asarray(out[:, a:b], np.float64))
+    delta_g = unshard(delta, axis=2, **lay)
     N = cfg["seqlen"]
     sample = np.unique(np.linspace(0, N - 1, min(CHECK_ROWS, N)).astype(np.int64))
     mine = np.nonzero(np.isin(positions, sample))[0]
@@ -309,13 +345,88 @@ def _local_kernel_s(plan, q, k, v, do, dev, start):
     return tf, time.perf_counter() - t0
 
 
+# The plan's working memory beyond its inputs, results and ring buffers (fp32 accumulators,
+# converted blocks, the bench's local-kernel reference), in float32 copies of a rank's q
+# and of its k (or v). Fitted to the peaks the bench measured (VmHWM) on the CPU backend at
+# 1 and 4 ranks, MHA and GQA, float32 and bfloat16; the estimate is printed beside the peak.
+WORK_Q, WORK_KV = 3.2, 4.1
+
+
+def _ring_buffers(cfg, C, P, shm):
+    """(own, peers) bytes of the ring's buffers on one rank: its packets and gradient
+    partials (double-buffered over MPI; one packet and two partials in a shared window with
+    ``shm``, where a rank also maps the packets of every peer it reads and its neighbour's
+    partials: its resident set counts those pages too). At 4 ranks these and ``WORK_*``
+    put the estimate within 2 % of the measured peak (MHA and GQA, float32 and bfloat16)."""
+    B, Z, Zkv, d = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    item = np.dtype(np_dtype(cfg["dtype"])).itemsize
+    kv_packet = B * C * Zkv * 2 * d * item + 8 * C
+    mode = cfg["bwd_comm"]
+    if mode == "auto":
+        mode = "ring" if Z / Zkv > 1.3 else "burst"
+    q_packet, q_partial = B * C * Z * 2 * d * item + 2 * B * Z * C * 4, B * C * Z * d * 4
+    kv_partial = B * C * Zkv * 2 * d * 4
+    packet, partial = {"burst": (max(kv_packet, q_packet), q_partial), "ring": (kv_packet, kv_partial)}.get(
+        mode, (max(kv_packet, q_packet), max(q_partial, kv_partial)))  # two-way: both directions
+    if P == 1:  # one rank reads its own K/V where they are, and sends nothing
+        return 0, 0
+    if shm:
+        return packet + 2 * partial, (P - 1) * packet + 2 * partial
+    return 2 * packet + 3 * partial, 0
+
+
+def _stages(comm, cfg, C, *, dev, check, use_torch, padded_C, shm):
+    """What one rank holds during the row (``memory.Stage``): the ring (inputs, results,
+    the plan's working memory and ring buffers), the float64 check (the ring's arrays and
+    the global q, k, v, dout it gathers), torch on rank 0 (the global problem, its copies
+    and gradients), the padded way (the ring's arrays and the largest padded document's)."""
+    P = comm.Get_size()
+    B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    item = np.dtype(np_dtype(cfg["dtype"])).itemsize
+    gpu = dev.backend == "cuda"
+
+    def ring(c):
+        """(private, shared, peers) bytes of the ring on c tokens per rank."""
+        q, kv = B * c * Z * d, B * c * Zkv * d  # elements
+        arrays = (4 * q + 4 * kv) * item + B * Z * c * 4  # q, do, k, v; out, dq, dk, dv; lse
+        own, peers = _ring_buffers(cfg, c, P, shm)
+        work = int(4 * (WORK_Q * q + WORK_KV * kv))
+        return (arrays + work, own, peers) if shm else (arrays + work + own, 0, 0)
+
+    mine, shared, peers = ring(C)
+    glob_q, glob_kv = B * N * Z * d * item, B * N * Zkv * d * item
+    local_host = (2 * B * C * (Z + Zkv) * d * item) if gpu else 0  # the host copies of the inputs
+
+    def stage(what, extra_host=0, extra=0, **kw):
+        if gpu:
+            return Stage(what, device=mine + shared + extra, host=local_host + extra_host, **kw)
+        return Stage(what, host=mine + extra + extra_host, shared=shared, peers=peers, **kw)
+
+    stages = [stage("the ring")]
+    if check:
+        # The global q, do, k, v it gathers, and the larger of a copy of the one being
+        # gathered and a block of the float64 reference's rows (``reference.CHUNK``).
+        gather = 2 * glob_q + 2 * glob_kv + max(glob_q, 5 * reference.CHUNK * B * Z * d * 8)
+        stages.append(stage("the float64 check", extra_host=gather + 3 * B * Z * N * 8,
+                            why="-c 0 runs the row unchecked"))
+    if use_torch:
+        # Rank 0 holds the global problem (4 arrays), torch's contiguous copies (4), leaf
+        # clones and their gradients (6) and two outputs: about 7 q-sized and 6 k-sized
+        # arrays at once; the other ranks keep their ring's arrays meanwhile.
+        theirs = 7 * glob_q + 6 * glob_kv if comm.Get_rank() == 0 else 0
+        stages.append(stage("torch on rank 0", extra=theirs, required=False, why="its columns show -"))
+    if padded_C:
+        stages.append(stage("the padded way", extra=sum(ring(padded_C)), required=False, why="its columns show -"))
+    return stages
+
+
 def _inputs(cfg, C, seed, rank, dev):
     """Random local q, k, v, dout of C rows (host copies, and where the run keeps them)."""
     B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     rng = np.random.default_rng([seed, rank, N])
     dt = np_dtype(cfg["dtype"])
     shapes = [(B, C, Z, d), (B, C, Zkv, d), (B, C, Zkv, d), (B, C, Z, d)]
-    local = [rng.standard_normal(s, dtype=np.float32).astype(dt) for s in shapes]
+    local = [rng.standard_normal(s, dtype=np.float32).astype(dt, copy=False) for s in shapes]
     return local, [dev.put(x) for x in local]
 
 
@@ -355,15 +466,25 @@ def _padded_way(comm, cfg, cu_seqlens, *, iters, warmup, window, seed, dev, tran
 
 
 def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed,
-               trace_memory=False, dev=None, transport="auto", docs=None):
+               trace_memory=False, dev=None, transport="auto", docs=None, budget=None):
     """Benchmark one configuration; return its row (identical on every rank). ``docs``
-    (a ``--docs`` SPEC) packs each sequence with documents."""
+    (a ``--docs`` SPEC) packs each sequence with documents. ``budget`` (``memory.Budget``,
+    made here when None) checks the row's memory first: raises ``memory.Refused`` when the
+    row does not fit, skips the baselines that do not."""
     dev = Device("numpy") if dev is None else dev
+    budget = Budget(comm) if budget is None else budget
     P, rank = comm.Get_size(), comm.Get_rank()
     B, N, Z, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"]
     cu = None if docs is None else packing.pack(docs, N, seed)
     positions = shard_indices(N, comm=comm, layout=cfg["layout"], cu_seqlens=cu)
     C = len(positions)
+    padded_C = 0 if cu is None else int(packing.padded_documents(cu, P)[1].max(initial=0)) // P
+    shm = dev.backend == "numpy" and P > 1 and transport in ("auto", "shm") and budget.node_size == P
+    plan_mem = budget.plan(_stages(comm, cfg, max(comm.allgather(C)), dev=dev, check=check, use_torch=use_torch,
+                                   padded_C=padded_C, shm=shm),
+                           f"seqlen {N} {cfg['dtype']} causal {cfg['causal']} {cfg['layout']} {cfg['bwd_comm']}")
+    say(comm, *plan_mem.lines)
+    use_torch = use_torch and plan_mem.runs.get("torch on rank 0", False)
     local, arrays = _inputs(cfg, C, seed, rank, dev)
     q, k, v, do = arrays
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
@@ -429,7 +550,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         steps_skipped=comm.allreduce(st.forward.steps_skipped, op=MPI.SUM),
         fwd_wait_ms=1e3 * comm.allreduce(st.forward.wait_s, op=MPI.MAX),
         bwd_wait_ms=1e3 * comm.allreduce(st.backward.wait_s, op=MPI.MAX),
-        peak_mb=comm.allreduce(dev.peak_mb(), op=MPI.MAX),
+        est_mb=comm.allreduce(plan_mem.estimate, op=MPI.MAX) / 1e6,
         # None without documents, as rows from before --docs have it: old baselines still match.
         docs_spec=docs, docs=0 if cu is None else int(np.count_nonzero(np.diff(cu))),
         imbalance=max(pairs) / float(np.mean(pairs)) if np.mean(pairs) > 0 else 1.0,
@@ -441,11 +562,11 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     if check:
         row["wrong"] = _count_wrong(comm, row, local, dev.host(out), dev.host(lse),
                                     [dev.host(g) for g in grads], window, positions, cu)
-    if cu is not None:
+    if cu is not None and plan_mem.runs["the padded way"]:
         row.update(_padded_way(comm, cfg, cu, iters=iters, warmup=warmup, window=window, seed=seed,
                                dev=dev, transport=transport, red=red))
         row["vs_padded"] = row["pad_fwdbwd_ms"] / row["fwdbwd_ms"]
-    if use_torch:
+    if use_torch:  # (and it fits)
         # The mean over the timed iterations, as ours is: a minimum against a mean would
         # favour torch by this machine's run-to-run noise.
         t_f, t_fb = comm.bcast(tuple(float(np.mean(x)) for x in zip(*torch_times)) if torch_times else None, root=0)
@@ -453,6 +574,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         row["torch_fwdbwd_tflops"] = fl["fwdbwd"] / t_fb / 1e12
         row["vs_torch_fwd"] = row["fwd_tflops"] * P / row["torch_fwd_tflops"]
         row["vs_torch_fwdbwd"] = row["fwdbwd_tflops_all"] / row["torch_fwdbwd_tflops"]
+    row["peak_mb"] = comm.allreduce(dev.peak_mb(), op=MPI.MAX)  # after the check and the baselines
     return row
 
 
@@ -497,7 +619,7 @@ def main(comm, ctx, o):
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
                   window=window, docs=docs, bwd=o["bwd_comm"], torch=o["use_torch"],
                   trace_memory=o["trace_memory"], seed=o["seed"], preset=o["preset"], baseline=o["baseline"],
-                  tolerance=o["tolerance"] if o["baseline"] else None)
+                  tolerance=o["tolerance"] if o["baseline"] else None, mem_limit=o["mem_limit"])
     dev = resolve_device(comm, o["backend"])
     if o["trace_memory"] and dev.backend == "cuda":
         raise click.UsageError("--trace-memory traces NumPy allocations; use --backend numpy")
@@ -513,10 +635,12 @@ def main(comm, ctx, o):
                   None if docs is None else packing.pack(docs, c["seqlen"], o["seed"]))
             for c in configs]
 
+    budget = budget_for(comm, dev, o["mem_limit"])
+
     def run_one(cfg):
         return run_config(comm, cfg, iters=o["iters"], warmup=o["warmup"], check=o["check"],
                           reduce=o["reduce"], window=window, use_torch=o["use_torch"], seed=o["seed"],
-                          trace_memory=o["trace_memory"], dev=dev, transport=transport, docs=docs)
+                          trace_memory=o["trace_memory"], dev=dev, transport=transport, docs=docs, budget=budget)
 
     def footer(rows):
         return [f"# Avg TFLOP/s per rank (fwd+bwd) : {float(np.mean([r['fwdbwd_tflops'] for r in rows])):.4f}",
@@ -526,4 +650,4 @@ def main(comm, ctx, o):
     sweep(comm, mode="attention", params=params, dev=dev, columns=columns, configs=configs, run_one=run_one,
           work=work, footer=footer, config_keys=CONFIG_KEYS, metric="fwdbwd_ms", check=o["check"],
           show_progress=show, json_path=o["json_path"], junit_path=o["junit_path"], baseline=o["baseline"],
-          tolerance=o["tolerance"], bind=o["bind"], torch=o["use_torch"])
+          tolerance=o["tolerance"], bind=o["bind"], torch=o["use_torch"], transport=transport)

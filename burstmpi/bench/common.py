@@ -1,5 +1,5 @@
 """What every mode of burstmpi-bench shares: sizes, devices, timing, the table, the footer,
-JSON, JUnit and regression mode.
+JSON, JUnit, regression mode and the memory each row may take.
 
 A mode (``burstmpi.bench.attention``: the ring's forward and backward; ``burstmpi.bench.
 decode``: decode over a sharded KV cache) supplies its columns, its configurations and a
@@ -7,12 +7,13 @@ function that runs one of them and returns its row; ``sweep`` does the rest the 
 every mode: the preamble (versions, parameters, threads, the CPU and its vector flags, each
 rank's host and device), one line per row, the footer, the JSON rows (``-J``), JUnit XML
 (``--junit``) and the comparison with a baseline (``--baseline``), and the exit status: 1 if
-any value was wrong, 3 if a configuration regressed, else 0.
+any value was wrong, 4 if a row was refused because it does not fit in memory
+(``burstmpi.bench.memory``), 3 if a configuration regressed, else 0. ``legend`` gives a
+mode's columns, one line each, for ``--legend``.
 """
 
 import json
 import os
-import resource
 import socket
 import sys
 import time
@@ -26,10 +27,11 @@ from ..backends.threads import cores, node_masks, shares_cores
 from ..comm import complete
 from ..interop import bfloat16
 from .binding import bind_ranks
+from .memory import Budget, Refused, peak_bytes, reset_peak
 
 __all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
            "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "barrier", "idle_barrier", "wall",
-           "load_baseline", "sweep"]
+           "load_baseline", "sweep", "budget_for", "backend_line", "legend"]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
@@ -154,7 +156,8 @@ def cpu_line():
 
 
 def peak_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
+    """The resident set's peak since the row began (``memory.reset_peak``), in MB."""
+    return peak_bytes() / 1e6
 
 
 class Device:
@@ -185,10 +188,55 @@ class Device:
 
     def describe(self):
         if self.cupy is None:
-            return "cpu (numpy)"
+            return "cpu"
         dev = self.cupy.cuda.Device()
         name = self.cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
         return f"cuda:{dev.id} {name}"
+
+
+def backend_line(dev, transport="auto"):
+    """What runs the local work, in a few words: ``cpu (numba tiles over OpenBLAS sgemm)``,
+    ``cpu (NumPy tile loops over NumPy's BLAS)``, ``cuda (burstmpi kernels, NCCL)``."""
+    if dev.backend == "cuda":
+        from .. import nccl
+
+        ring = {"mpi": "MPI", "nccl": "NCCL"}.get(transport, "NCCL" if nccl.available() else "MPI")
+        return f"cuda (burstmpi kernels, {ring})"
+    from ..backends.numpy_backend import NumpyBackend
+    from ..config import settings
+
+    try:
+        ops = NumpyBackend(kernels=settings().cpu_kernels).ops
+    except RuntimeError:
+        return "cpu (unavailable: see the CPU kernels line)"
+    if not hasattr(ops, "describe"):
+        return "cpu (NumPy tile loops over NumPy's BLAS)"
+    from ..backends import cpu_blas
+
+    return f"cpu (numba tiles over {cpu_blas.short_name()} sgemm)"
+
+
+# The unit of a column, from the last word of its header's second line.
+UNITS = {"ms": "ms", "(ms)": "ms", "MB/rk": "MB", "MB": "MB", "MB/call": "MB", "/call": "KB", "GB/s": "GB/s",
+         "(TF/s)": "TF/s", "TF/s": "TF/s", "(tok)": "tokens"}
+
+
+def legend(columns, definitions):
+    """``--legend``: one line per column: its header, its unit and what it is."""
+    lines = [f"# {'column':18s} {'unit':7s} definition"]
+    for key, head, unit, _, _ in columns:
+        name = head if unit.startswith("(") or not unit else f"{head} {unit}"
+        lines.append(f"# {name:18s} {UNITS.get(unit.split()[-1] if unit else '', ''):7s} {definitions[key]}")
+    return lines
+
+
+def budget_for(comm, dev, limit):
+    """The job's memory pools for ``memory.Budget`` (collective): each node's host memory,
+    and each rank's GPU when the arrays live there."""
+    if dev.cupy is None:
+        return Budget(comm, limit)
+    cp = dev.cupy
+    return Budget(comm, limit, device_free=lambda: cp.cuda.runtime.memGetInfo()[0], device_id=cp.cuda.Device().id)
 
 
 def resolve_device(comm, backend):
@@ -310,7 +358,8 @@ def sweep(comm, *, bind="auto", torch=False, **kw):
 
 
 def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, config_keys, metric,
-           check, show_progress, placed, json_path=None, junit_path=None, baseline=None, tolerance=0.1):
+           check, show_progress, placed, json_path=None, junit_path=None, baseline=None, tolerance=0.1,
+           transport="auto"):
     """``sweep`` with the ranks placed (``placed``: the preamble's lines on BLAS threads and binding).
 
     ``work``: each configuration's relative cost (for the progress line's time left);
@@ -320,18 +369,26 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     P = comm.Get_size()
     base_rows = load_baseline(comm, baseline)
     who = comm.gather((socket.gethostname(), os.getpid(), dev.describe()), root=0)
-    say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {dev.backend}, {P} rank(s), "
+    say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {backend_line(dev, transport)}, {P} rank(s), "
               f"{MPI.Get_library_version().splitlines()[0].strip()}",
         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
         *placed, *([cpu_kernels_line(comm)] if dev.backend == "numpy" else []), cpu_line(),
         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
           if who else []),
+        "#  Columns: burstmpi-bench --legend" + (" --decode" if mode == "decode" else "")
+        + " prints one line per column with its unit and definition",
         "#")
     say(comm, *header_lines(columns))
-    rows, t_start = [], time.perf_counter()
+    rows, refused, t_start = [], [], time.perf_counter()
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
-        row = run_one(cfg)
+        reset_peak()  # this row's peak, not the largest row's before it
+        try:
+            row = run_one(cfg)
+        except Refused as e:  # the same on every rank, before anything was allocated
+            refused.append(str(e))
+            say(comm, f"# REFUSED {e}")
+            continue
         rows.append(row)
         say(comm, format_row(columns, row))
         if show_progress:
@@ -340,8 +397,9 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     wrong = sum(max(r["wrong"], 0) for r in rows)
     say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
               + ("" if check else " (not checked: -c 0)"),
-        *footer(rows),
-        f"# Max peak memory per rank (MB) : {max(r['peak_mb'] for r in rows):.0f}")
+        *(footer(rows) if rows else []),
+        f"# Max peak memory per rank (MB) : {max((r['peak_mb'] for r in rows), default=0):.0f}",
+        f"# Rows refused for memory : {len(refused)} {'OK' if not refused else 'FAILED'}")
     regressed = 0
     verdicts = [dict(row=r, base=None, ratio=None, status="wrong" if r["wrong"] > 0 else "ok") for r in rows]
     if base_rows is not None:
@@ -365,4 +423,4 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
         if junit_path:
             with open(junit_path, "w") as fh:
                 fh.write(regress.junit_xml(verdicts, config_keys, metric=metric))
-    sys.exit(1 if wrong else 3 if regressed else 0)
+    sys.exit(1 if wrong else 4 if refused else 3 if regressed else 0)

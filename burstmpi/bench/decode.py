@@ -5,31 +5,18 @@
 -b/-e/-f sweep the cached length N (global tokens), ``-T`` is the new tokens per decode
 call. For each row the cache is filled with random keys and values (``KVCache.load``:
 the prefill is not what is measured), then ``-w`` untimed and ``-n`` timed decode calls run,
-each after a barrier; one more call is checked against float64. Columns:
+each after a barrier; one more call is checked against float64. ``LEGEND`` defines every
+column (``burstmpi-bench --legend --decode`` prints it): besides the decode itself, the same
+decode the way ring-attention peers do it and by one rank holding the whole cache.
 
-  cached, T, B, heads, kvh, hdim, dtype   the configuration (cached: tokens before the call)
-  decode ms, min/max ms   one decode call, reduced over ranks by -a, and its fastest and
-                          slowest rank
-  tok/s                   B x T / decode time
-  KB/call                 what one rank moves per call: (P - 1) x its message (a header and
-                          its partial out and lse, ``KVCache.last_stats``): independent of N
-  comp ms, coll ms        the local decode kernel alone (max over ranks), and an allgather of
-                          the same message alone: a call costs about comp + coll + the merge
-  ring ms, ring MB/call   the same decode done the way ring-attention peers do it: every
-                          rank's K/V shard travels around the ring (P - 1 double-buffered
-                          hops), each rank attending the queries to each shard as it passes;
-                          its bytes per call grow with N (copying a rank's own shard into its
-                          first packet is not timed: a peer sends its own tensors)
-  vs ring                 ring ms / decode ms (above 1: we are faster)
-  1rk ms, vs 1rk          rank 0 alone holding the whole cache (a KVCache on MPI.COMM_SELF),
-                          when it fits in half of the free memory; 1rk ms / decode ms
-  cache MB/rk, peak MB/rk this rank's share of the cache (``KVCache.nbytes``, max over ranks)
-                          and the process's peak (GPUs: CuPy's pool)
-  #wrong                  out and lse of the checked call outside the dtype's tolerance
-                          against float64 (each rank's shard in float64, merged in float64)
+Memory (``burstmpi.bench.memory``): before each row the bench estimates what one rank
+holds while the row runs (its cache share, a piece of the random fill, the check's chunk),
+while the ring way runs (the cache and the ring's packets, a shard each), and rank 0's
+whole cache for ``1rk``, sums them over each node's ranks and compares with what the node
+has free: a baseline that does not fit is skipped with a ``#`` line (its columns ``-``), a
+row that does not fit is refused (a ``#`` line; the bench exits 4). The cache is filled in
+pieces (``KVCache.load`` appends), so a row needs little beyond the cache itself.
 """
-
-import os
 
 import numpy as np
 from mpi4py import MPI
@@ -37,9 +24,11 @@ from mpi4py import MPI
 from ..cache import KVCache
 from ..comm import Channel
 from ..layout import layout_of
-from .common import DTYPES, REDUCE, TOLERANCE, choices, idle_barrier, np_dtype, resolve_device, seqlens, sweep, timed
+from .common import (DTYPES, REDUCE, TOLERANCE, budget_for, choices, idle_barrier, np_dtype, resolve_device,
+                     say, seqlens, sweep, timed)
+from .memory import Stage, peak_bytes, reset_peak
 
-__all__ = ["COLUMNS", "CONFIG_KEYS", "run_config", "ring_prepare", "ring_decode", "main"]
+__all__ = ["COLUMNS", "LEGEND", "CONFIG_KEYS", "run_config", "ring_prepare", "ring_decode", "main"]
 
 COLUMNS = [
     ("seqlen", "cached", "(tok)", 8, "d"), ("tokens", "T", "", 3, "d"), ("batch", "B", "", 3, "d"),
@@ -52,10 +41,45 @@ COLUMNS = [
     ("ring_ms", "ring", "(ms)", 9, ".3f"), ("ring_mb_per_call", "ring", "MB/call", 8, ".1f"),
     ("vs_ring", "vs", "ring", 6, ".2f"), ("one_rank_ms", "1rk", "(ms)", 9, ".3f"),
     ("vs_one_rank", "vs", "1rk", 6, ".2f"), ("cache_mb", "cache", "MB/rk", 8, ".1f"),
-    ("peak_mb", "peak", "MB/rk", 7, ".0f"), ("wrong", "#wrong", "", 6, "d"),
+    ("est_mb", "est", "MB/rk", 7, ".0f"), ("peak_mb", "peak", "MB/rk", 7, ".0f"), ("wrong", "#wrong", "", 6, "d"),
 ]
+# One line per column for --legend (header and unit are the table's).
+LEGEND = {
+    "seqlen": "tokens in the cache before the call (global)",
+    "tokens": "new tokens per decode call (-T)", "batch": "batch rows (-B)", "heads": "query heads (-H)",
+    "kv_heads": "key/value heads (-K)", "head_dim": "head dim (-D)", "dtype": "the cache's and inputs' dtype",
+    "decode_ms": "one decode call, mean over -n calls, reduced over ranks by -a (default: the slowest rank)",
+    "decode_ms_min": "the fastest rank's decode call", "decode_ms_max": "the slowest rank's decode call",
+    "tokens_per_s": "B x T / decode time",
+    "kb_per_call": "bytes one rank moves per call, (P - 1) x its message (header, partial out and lse): "
+                   "independent of the cached length",
+    "compute_ms": "the local decode kernel alone (max over ranks)",
+    "collective_ms": "an allgather of the same message alone: a call costs about comp + coll + the merge",
+    "ring_ms": "the same decode the way ring-attention peers do it: every rank's K/V shard travels the ring "
+               "(P - 1 double-buffered hops; - when it does not fit in memory)",
+    "ring_mb_per_call": "bytes one rank sends per call the ring way (grows with the cache)",
+    "vs_ring": "ring ms / decode ms (above 1: burstmpi is faster)",
+    "one_rank_ms": "rank 0 alone holding the whole cache (a KVCache on MPI.COMM_SELF; - when it does not fit)",
+    "vs_one_rank": "1rk ms / decode ms",
+    "cache_mb": "this rank's share of the cache (KVCache.nbytes), max over ranks",
+    "est_mb": "memory one rank was estimated to need before the row (its resident set then plus the "
+              "largest part of the row that ran), max over ranks",
+    "peak_mb": "the resident set's peak during the row (GPUs: CuPy's pool), max over ranks; shared-memory "
+               "pages count in every rank that reads them",
+    "wrong": "values of the checked call's out and lse outside the dtype's tolerance against float64",
+}
 CONFIG_KEYS = ("mode", "seqlen", "tokens", "batch", "heads", "kv_heads", "head_dim", "dtype", "window", "ranks")
 TAG_RING = 31
+ONE_RANK = "one rank holding the whole cache (1rk)"
+# Bytes of keys and values per rank in one piece of the cache's random fill, and per chunk
+# of the float64 check: what the row needs beyond the cache stays this small.
+PIECE_BYTES = 64 << 20
+CHECK_BYTES = 32 << 20
+
+
+def _per_token(cfg):
+    """Bytes of one cached token's keys and values."""
+    return cfg["batch"] * cfg["kv_heads"] * 2 * cfg["head_dim"] * np.dtype(np_dtype(cfg["dtype"])).itemsize
 
 
 def _new_tokens(cfg, seed, i):
@@ -66,20 +90,60 @@ def _new_tokens(cfg, seed, i):
     return [rng.standard_normal(s, dtype=np.float32).astype(dt) for s in ((B, T, Z, d), (B, T, Zkv, d), (B, T, Zkv, d))]
 
 
+def _capacity(cfg, window, extra, N):
+    return N + extra if window is None else min(N, window[0]) + extra
+
+
+def _piece_tokens(cfg, P):
+    """Global tokens per piece of the fill: a multiple of P, about PIECE_BYTES per rank."""
+    return P * max(1, PIECE_BYTES // _per_token(cfg))
+
+
 def _filled_cache(comm, cfg, seed, dev, window, extra, N=None):
-    """A KVCache over ``comm`` holding N random tokens (contiguous), room for ``extra`` more."""
+    """A KVCache over ``comm`` holding N random tokens, room for ``extra`` more. Loaded in
+    pieces (each contiguous over the ranks) so that the fill holds one piece at a time."""
     N = cfg["seqlen"] if N is None else N
     P, rank = comm.Get_size(), comm.Get_rank()
     B, Zkv, d = cfg["batch"], cfg["kv_heads"], cfg["head_dim"]
     dt = np_dtype(cfg["dtype"])
-    cap = N + extra if window is None else min(N, window[0]) + extra
-    cache = KVCache(comm, capacity=cap, batch=B, kv_heads=Zkv, head_dim=d, dtype=dt, window=window,
-                    backend=dev.backend)
-    C = layout_of("contiguous", P, N).count(rank)
-    rng = np.random.default_rng([seed, rank, N])
-    k, v = (dev.put(rng.standard_normal((B, C, Zkv, d), dtype=np.float32).astype(dt)) for _ in range(2))
-    cache.load(k, v)
+    cache = KVCache(comm, capacity=_capacity(cfg, window, extra, N), batch=B, kv_heads=Zkv, head_dim=d,
+                    dtype=dt, window=window, backend=dev.backend)
+    piece = _piece_tokens(cfg, P)
+    for i, start in enumerate(range(0, N, piece)):
+        C = layout_of("contiguous", P, min(piece, N - start)).count(rank)
+        rng = np.random.default_rng([seed, rank, N, i])
+        k, v = (dev.put(rng.standard_normal((B, C, Zkv, d), dtype=np.float32).astype(dt, copy=False))
+                for _ in range(2))
+        cache.load(k, v)
+        del k, v
     return cache
+
+
+def _stages(comm, cfg, *, window, calls, one_rank_calls, dev, shm):
+    """What one rank holds during the row (``memory.Stage``): the decode itself (its cache
+    share, and the largest of a fill piece, a check chunk and the call's buffers), the ring
+    way (the cache and the ring's packets), rank 0's whole cache for ``1rk``."""
+    P, N, T = comm.Get_size(), cfg["seqlen"], cfg["tokens"]
+    B, Z, d = cfg["batch"], cfg["heads"], cfg["head_dim"]
+    tok = _per_token(cfg) + 4  # keys, values and the int32 position
+    share = lambda cap, ranks: (-(-cap // ranks) + (1 if ranks > 1 else 0)) * tok
+    cache = share(_capacity(cfg, window, calls * T, N), P)
+    item = np.dtype(np_dtype(cfg["dtype"])).itemsize
+    # A piece's k and v, and (other than float32) the float32 draw of one being converted.
+    piece = int(_piece_tokens(cfg, P) // P * _per_token(cfg) * (1 if item == 4 else 1 + 2 / item))
+    message = (P + 2) * (32 + B * T * Z * (d + 1) * 4)
+    extra = max(piece, 2 * CHECK_BYTES, message + (16 << 20))
+    packet = cache  # the ring way's packets hold the largest shard, at most a share
+    gpu = dev.backend == "cuda"
+    ring = (dict(host=cache, shared=packet, peers=(P - 1) * packet) if shm
+            else dict(device=cache + 2 * packet) if gpu else dict(host=cache + (2 if P > 1 else 1) * packet))
+    one = share(_capacity(cfg, window, one_rank_calls * T, N), 1)
+    decode = dict(device=cache + extra, host=extra) if gpu else dict(host=cache + extra)
+    return [Stage("the decode", **decode),
+            Stage("the ring way", required=False, **ring, why="its columns show -"),
+            Stage(ONE_RANK, required=False, ranks=[0],
+                  **(dict(device=one + extra, host=extra) if gpu else dict(host=one + extra)),
+                  why="its columns show -")]
 
 
 def ring_prepare(cache):
@@ -140,26 +204,35 @@ def ring_decode(cache, q, state):
 
 def _float64_decode(comm, cache, q, window):
     """The exact result of the last call over everything cached: each rank's shard in
-    float64 (dense, written from the definition), merged in float64: (out, lse) on every rank."""
+    float64 (dense, written from the definition) a chunk of CHECK_BYTES at a time, merged
+    online and then over the ranks in float64: (out, lse) on every rank. Holds one chunk
+    in float64, never the shard."""
     k, v, pos = cache.shard()
     host = lambda a: np.asarray(a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a, np.float64)
-    k, v, qh = host(k), host(v), host(q)
+    qh = host(q)
     B, T, Z, d = qh.shape
-    Zkv = k.shape[2]
+    Zkv, dv = k.shape[2], v.shape[3]
     g = Z // Zkv
-    S = cache.seqlen - T  # the call's first query position
-    qpos = S + np.arange(T)
-    seen = pos[None, :] <= qpos[:, None]
-    if window is not None and window[0] >= 0:
-        seen &= pos[None, :] >= qpos[:, None] - window[0]
-    s = np.einsum("btkgd,bnkd->btkgn", qh.reshape(B, T, Zkv, g, d), k) * cache.scale
-    s = np.where(seen[None, :, None, None, :], s, -np.inf)
-    m = s.max(axis=-1, initial=-np.inf)
-    m_safe = np.where(np.isfinite(m), m, 0)
-    p = np.exp(s - m_safe[..., None])
-    l = p.sum(axis=-1)
-    o = np.einsum("btkgn,bnkd->btkgd", p, v)
-    parts = comm.allgather((o, l, m_safe))
+    qg = qh.reshape(B, T, Zkv, g, d)
+    qpos = cache.seqlen - T + np.arange(T)  # the call's query positions
+    m = np.full((B, T, Zkv, g), -np.inf)
+    l, o = np.zeros(m.shape), np.zeros(m.shape + (dv,))
+    chunk = max(64, CHECK_BYTES // (8 * max(B * Zkv * (d + dv), B * T * Z)))
+    for c0 in range(0, len(pos), chunk):
+        kc, vc, pc = host(k[:, c0:c0 + chunk]), host(v[:, c0:c0 + chunk]), pos[c0:c0 + chunk]
+        seen = pc[None, :] <= qpos[:, None]
+        if window is not None and window[0] >= 0:
+            seen &= pc[None, :] >= qpos[:, None] - window[0]
+        s = np.einsum("btkgd,bnkd->btkgn", qg, kc) * cache.scale
+        s = np.where(seen[None, :, None, None, :], s, -np.inf)
+        m_new = np.maximum(m, s.max(axis=-1, initial=-np.inf))
+        m_safe = np.where(np.isfinite(m_new), m_new, 0)
+        p = np.exp(s - m_safe[..., None])
+        alpha = np.exp(m - m_safe)  # 0 where nothing was seen before
+        l = l * alpha + p.sum(axis=-1)
+        o = o * alpha[..., None] + np.einsum("btkgn,bnkd->btkgd", p, vc)
+        m = m_new
+    parts = comm.allgather((o, l, np.where(np.isfinite(m), m, 0)))
     mx = np.max([np.where(pl > 0, pm, -np.inf) for _, pl, pm in parts], axis=0)
     mx = np.where(np.isfinite(mx), mx, 0)
     num = sum(po * np.exp(pm - mx)[..., None] for po, _, pm in parts)
@@ -193,22 +266,11 @@ def _collective_s(cache, size, iters, dev):
     return best
 
 
-def _free_bytes(dev):
-    if dev.cupy is not None:
-        return dev.cupy.cuda.runtime.memGetInfo()[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _one_rank_s(comm, cfg, *, iters, warmup, seed, dev, window):
-    """Rank 0 alone with the whole cache (when it fits in half the free memory): seconds
-    per decode call, or None. The other ranks wait without spinning."""
-    N, B, Zkv, d = cfg["seqlen"], cfg["batch"], cfg["kv_heads"], cfg["head_dim"]
-    need = N * B * Zkv * 2 * d * np.dtype(np_dtype(cfg["dtype"])).itemsize
+def _one_rank_s(comm, cfg, *, iters, warmup, seed, dev, window, runs):
+    """Rank 0 alone with the whole cache (when ``runs``: the row's memory plan says it
+    fits): seconds per decode call, or None. The other ranks wait without spinning."""
     result = None
-    if comm.Get_rank() == 0 and need < 0.5 * _free_bytes(dev):
+    if comm.Get_rank() == 0 and runs:
         one = _filled_cache(MPI.COMM_SELF, cfg, seed, dev, window, (warmup + iters) * cfg["tokens"])
         times = []
         for i in range(warmup + iters):
@@ -223,11 +285,18 @@ def _one_rank_s(comm, cfg, *, iters, warmup, seed, dev, window):
     return comm.bcast(result, root=0)
 
 
-def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, window=None):
-    """Benchmark one decode configuration; return its row (identical on every rank)."""
+def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, window=None):
+    """Benchmark one decode configuration; return its row (identical on every rank).
+    ``budget`` (``memory.Budget``) checks its memory first: raises ``memory.Refused``
+    when the row does not fit, skips the baselines that do not."""
     P = comm.Get_size()
     _, red = REDUCE[reduce]
     calls = warmup + iters + 1
+    shm = dev.backend == "numpy" and P > 1 and budget.node_size == P  # as transport="auto" picks
+    label = f"cached {cfg['seqlen']} {cfg['dtype']}"
+    plan = budget.plan(_stages(comm, cfg, window=window, calls=calls, one_rank_calls=warmup + iters, dev=dev,
+                               shm=shm), label)
+    say(comm, *plan.lines)
     cache = _filled_cache(comm, cfg, seed, dev, window, calls * cfg["tokens"])
     times, compute = [], []
     for i in range(warmup + iters):
@@ -240,31 +309,47 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, window=Non
     q, k, v = (dev.put(x) for x in _new_tokens(cfg, seed, 999_999))
     out, lse = cache.decode(q, k, v, return_lse=True)
     wrong = _count_wrong(comm, cfg, cache, q, out, lse, window, dev) if check else -1
+    peaks = {"the decode": peak_bytes()}  # each part's own peak, to hold against its estimate
+    reset_peak()
     # The ring way, on the same cache and queries (after the checked call's tokens).
     ring_t, ring_sent = [], 0
-    for i in range(warmup + iters):
+    for i in range(warmup + iters if plan["the ring way"] else 0):
         state = ring_prepare(cache)
         t, (_, ring_sent) = timed(comm, lambda: ring_decode(cache, q, state), dev)
         if i >= warmup:
             ring_t.append(t)
+        del state
     coll = _collective_s(cache, st.message_bytes, iters, dev)
     cache_mb = comm.allreduce(cache.nbytes, op=MPI.MAX) / 1e6
+    if plan["the ring way"]:
+        peaks["the ring way"] = peak_bytes()
     cache.release()
-    one = _one_rank_s(comm, cfg, iters=iters, warmup=warmup, seed=seed, dev=dev, window=window)
+    reset_peak()
+    one = _one_rank_s(comm, cfg, iters=iters, warmup=warmup, seed=seed, dev=dev, window=window,
+                      runs=plan[ONE_RANK])
+    if plan[ONE_RANK]:
+        peaks[ONE_RANK] = peak_bytes()
     all_t = comm.allgather(float(np.mean(times)))
     t_s = float(red(all_t))
-    ring_s = float(red(comm.allgather(float(np.mean(ring_t)))))
+    ring_s = float(red(comm.allgather(float(np.mean(ring_t))))) if ring_t else None
     row = dict(cfg, mode="decode", ranks=P, backend=dev.backend, window=window,
                transport=cache.runtime.transport.name,
                decode_ms=1e3 * t_s, decode_ms_min=1e3 * min(all_t), decode_ms_max=1e3 * max(all_t),
                tokens_per_s=cfg["batch"] * cfg["tokens"] / t_s,
                message_bytes=st.message_bytes, kb_per_call=comm.allreduce(st.bytes_moved, op=MPI.MAX) / 1e3,
                compute_ms=1e3 * comm.allreduce(float(np.mean(compute)), op=MPI.MAX),
-               collective_ms=1e3 * coll, ring_ms=1e3 * ring_s,
-               ring_mb_per_call=comm.allreduce(ring_sent, op=MPI.MAX) / 1e6, vs_ring=ring_s / t_s,
+               collective_ms=1e3 * coll, ring_ms=None if ring_s is None else 1e3 * ring_s,
+               ring_mb_per_call=None if ring_s is None else comm.allreduce(ring_sent, op=MPI.MAX) / 1e6,
+               vs_ring=None if ring_s is None else ring_s / t_s,
                one_rank_ms=None if one is None else 1e3 * one,
                vs_one_rank=None if one is None else one / t_s,
-               cache_mb=cache_mb, peak_mb=comm.allreduce(dev.peak_mb(), op=MPI.MAX), wrong=wrong)
+               cache_mb=cache_mb, est_mb=comm.allreduce(plan.estimate, op=MPI.MAX) / 1e6,
+               peak_mb=comm.allreduce(max(peaks.values()) / 1e6 if dev.cupy is None else dev.peak_mb(), op=MPI.MAX),
+               wrong=wrong)
+    if dev.cupy is None:  # each part's estimate and measured peak (host; max over ranks), in the JSON rows
+        row["stage_mb"] = {what: dict(est=comm.allreduce(plan.stages[what], op=MPI.MAX) / 1e6,
+                                      peak=comm.allreduce(peaks.get(what, 0), op=MPI.MAX) / 1e6)
+                           for what in plan.stages}
     return row
 
 
@@ -295,15 +380,19 @@ def main(comm, ctx, o):
                   tokens=o["tokens"], iters=o["iters"], warmup=o["warmup"], check=o["check"], dtype=o["dtype"],
                   average=REDUCE[o["reduce"]][0], batch=o["batch"], heads=heads, kv_heads=kv_heads,
                   head_dim=o["head_dim"], window=window, seed=o["seed"], backend=dev.backend,
-                  baseline=o["baseline"], tolerance=o["tolerance"] if o["baseline"] else None)
+                  baseline=o["baseline"], tolerance=o["tolerance"] if o["baseline"] else None,
+                  mem_limit=o["mem_limit"])
+    budget = budget_for(comm, dev, o["mem_limit"])
 
     def run_one(cfg):
         return run_config(comm, cfg, iters=o["iters"], warmup=o["warmup"], check=o["check"], reduce=o["reduce"],
-                          seed=o["seed"], dev=dev, window=window)
+                          seed=o["seed"], dev=dev, budget=budget, window=window)
 
     def footer(rows):
+        vs_ring = [r["vs_ring"] for r in rows if r["vs_ring"] is not None]
         return [f"# Avg decode ms per call : {float(np.mean([r['decode_ms'] for r in rows])):.4f}",
-                f"# Avg speedup over the ring way : {float(np.mean([r['vs_ring'] for r in rows])):.2f}",
+                f"# Avg speedup over the ring way : {float(np.mean(vs_ring)):.2f}" if vs_ring else
+                "# Avg speedup over the ring way : - (skipped: not enough memory)",
                 f"# Bytes per call per rank (KB) : {sorted({round(r['kb_per_call'], 3) for r in rows})}"]
 
     show = (len(configs) > 1) if o["progress"] is None else o["progress"]
