@@ -162,6 +162,7 @@ class KVCache:
         self._shape = (1, None)  # the agreed (T, heads) that sizes the decode's message
         self._k = self._v = self._kpos = self._kpos_host = None
         self._n = self._head = 0  # filled slots; the oldest slot once the ring buffer wraps
+        self._held = np.zeros(P, np.int64)  # tokens each rank holds (without a window: never dropped)
         self._plans, self._message = {}, None
         self._released = False
         self.last_stats = DecodeStats()
@@ -329,7 +330,27 @@ class KVCache:
         if self.left >= 0 and min(N, self.left) > self.capacity:
             raise ValueError(f"{fn}: capacity: expected at least the window's {self.left} tokens "
                              f"(window={self.window}), got {self.capacity}")
+        if append and self.seqlen and self.left < 0:
+            self._check_room(fn, lay)
         return h, lay, Z
+
+    def _check_room(self, fn, lay):
+        """A piece appended by ``load`` must leave every rank room for the tokens the decode
+        will deal it round-robin up to the capacity: else the cache would be full on one rank
+        long before it is full (pieces that split unevenly pile up on the first ranks). Raised
+        at the load, the same on every rank (the lengths are agreed)."""
+        P = self.runtime.nranks
+        r = np.arange(P)
+        held = self._held + [lay.count(i) for i in r]
+        upto = lambda x: np.maximum(0, (x - r + P - 1) // P)  # positions < x that fall to each rank
+        future = upto(self.capacity) - upto(self.seqlen + lay.seqlen)
+        over = np.nonzero(held + future > self.slots)[0]
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"{fn}: k.shape[1]: after this piece rank {i} would hold {held[i]} tokens, and the "
+                             f"decode deals it {future[i]} more up to capacity={self.capacity}: more than its "
+                             f"{self.slots} slots. Load pieces of a multiple of {P} tokens (the last may be "
+                             "shorter), or a larger capacity")
 
     def _keep(self, fn, h, lay, Z):
         """Store the prompt's keys and values: where they are, or (windowed) the live tail
@@ -338,6 +359,7 @@ class KVCache:
         with abort_on_device_error(rt.comm):
             if self.left < 0:
                 self._store(h["k"], h["v"], self.seqlen + lay.positions(rt.rank))
+                self._held += [lay.count(i) for i in range(rt.nranks)]
             else:
                 self._drop_older_than(self.seqlen + lay.seqlen - self.left)
                 self._store_window_tail(fn, h["k"], h["v"], lay)
@@ -529,6 +551,7 @@ class KVCache:
                 report(rt.comm, fn, error, sig)
             out, lse = self._merge(parts, T, Z)
         self._n, self._head = written[2], written[3]
+        self._held += np.bincount((self.seqlen + np.arange(T)) % rt.nranks, minlength=rt.nranks)
         self.seqlen += T
         self.heads = Z
         wall = time.perf_counter() - t_start

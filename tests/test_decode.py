@@ -278,7 +278,8 @@ def test_load_in_pieces_equals_load_at_once(window, layout):
     """A cache loaded in pieces (appended from ``seqlen`` on) decodes as exactly as one loaded
     at once (each rank then holds other tokens: the bits may differ, float64 decides), the
     same on every rank; a windowed one keeps only the live tail either way."""
-    N, pieces, Ts = 37, (10, 1, 26), (1, 3, 1)
+    N, Ts = 37, (1, 3, 1)
+    pieces = (2 * NRANKS, NRANKS, N - 3 * NRANKS)  # multiples of P but the last
     total = N + sum(Ts)
     q, k, v, _ = ref.random_problem(1, total, 4, 2, 16, seed=3)
     cap = total if window is None else window[0] + max(Ts)
@@ -311,6 +312,14 @@ def test_load_past_the_capacity_or_a_rank_s_slots_raises_everywhere():
     with pytest.raises(ValueError, match=rf"a prompt of {2 * NRANKS} tokens .* after the {3 * NRANKS} cached "
                                          rf"does not fit capacity={4 * NRANKS}"):
         cache.load(burstmpi.shard(k), burstmpi.shard(v))
+    if NRANKS > 1:  # pieces that split unevenly would fill the first ranks long before the cache:
+        uneven = _cache(capacity=8 * NRANKS)  # the load that would do it says so, on every rank
+        _, k, v = _problem(T=NRANKS + 1)
+        with pytest.raises(ValueError, match=r"KVCache.load: k.shape\[1\]: after this piece rank 0 would hold "
+                                             rf"\d+ tokens, and the decode deals it .* multiple of {NRANKS} tokens"):
+            while True:
+                assert uneven.seqlen + NRANKS + 1 <= uneven.capacity
+                uneven.load(burstmpi.shard(k), burstmpi.shard(v))
     if NRANKS > 1:  # three tokens on rank 0: more than its 2 free slots, though the capacity has room
         _, k, v = _problem(T=3)
         mine = [x if RANK == 0 else x[:, :0] for x in (k, v)]
