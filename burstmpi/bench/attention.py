@@ -406,7 +406,7 @@ def _stages(comm, cfg, C, *, dev, check, use_torch, padded_C, shm):
     if check:
         # The global q, do, k, v it gathers, and the larger of a copy of the one being
         # gathered and a block of the float64 reference's rows (``reference.CHUNK``).
-        gather = 2 * glob_q + 2 * glob_kv + max(glob_q, 5 * reference.CHUNK * B * Z * d * 8)
+        gather = 2 * glob_q + 2 * glob_kv + max(glob_q, 5 * min(reference.CHUNK, N) * B * Z * d * 8)
         stages.append(stage("the float64 check", extra_host=gather + 3 * B * Z * N * 8,
                             why="-c 0 runs the row unchecked"))
     if use_torch:
