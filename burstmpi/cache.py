@@ -130,8 +130,9 @@ class KVCache:
 
     Calls (collective over ``comm``): ``prefill(q, k, v, layout=...)`` fills an empty
     cache from a prompt sharded like ``burstmpi.shard`` makes it and returns this rank's
-    out; ``load(k, v, layout=...)`` fills it with a prompt's keys and values without
-    computing attention (a prefill done elsewhere); ``decode(q, k, v, return_lse=False)``
+    out; ``load(k, v, layout=...)`` fills it with a prompt's keys and values (called again:
+    appends a piece) without computing attention (a prefill done elsewhere);
+    ``decode(q, k, v, return_lse=False)``
     appends T new tokens and returns their out, the same on every rank; ``seqlen`` is the
     number of tokens cached; ``release()`` frees the memory (the cache cannot be used
     afterwards). Local: ``shard()`` gives this rank's cached keys, values and positions,
@@ -293,7 +294,10 @@ class KVCache:
 
         On a cache that holds tokens it appends the next positions, ``seqlen`` onwards, the
         piece sharded by ``layout`` as if it were a sequence of its own: a cache too large to
-        hold twice (once in the caller's arrays, once in the cache) is loaded in pieces."""
+        hold twice (once in the caller's arrays, once in the cache) is loaded in pieces. The
+        pieces must spread evenly over the ranks (a multiple of P tokens each; the last may
+        be shorter): a piece that would leave a rank without room for the tokens the decode
+        deals it later raises, on every rank. With a window only the live tail is kept."""
         fn = "KVCache.load"
         h, lay, _ = self._admit(fn, {"k": k, "v": v}, layout, append=True)
         self._keep(fn, h, lay, self.heads)
@@ -327,7 +331,7 @@ class KVCache:
             held = f" after the {self.seqlen} cached" if self.seqlen else ""
             raise ValueError(f"{fn}: k: a prompt of {N} tokens (the sum over ranks){held} does not fit "
                              f"capacity={self.capacity}")
-        if self.left >= 0 and min(N, self.left) > self.capacity:
+        if self.left >= 0 and min(self.seqlen + N, self.left) > self.capacity:  # the live tail it keeps
             raise ValueError(f"{fn}: capacity: expected at least the window's {self.left} tokens "
                              f"(window={self.window}), got {self.capacity}")
         if append and self.seqlen and self.left < 0:
@@ -428,8 +432,9 @@ class KVCache:
         pos = np.concatenate(src_pos)
         order = np.argsort(pos, kind="stable")  # slots in position order: the oldest first
         got = recv.view(self.dtype)[order]
-        # At most ceil(left / P) live tokens each, those kept from before included
-        # (``_drop_older_than``): _admit's check (left <= capacity) keeps them in the slots.
+        # At most ceil(min(seqlen, left) / P) live tokens each, those kept from before
+        # included (``_drop_older_than``): _admit's check (that tail <= capacity) keeps them
+        # in the slots.
         assert self._n + len(got) <= self.slots, (self._n, len(got), self.slots)
         xp = rt.backend.xp
         split = lambda a, e: np.ascontiguousarray(a.reshape(-1, B, Zkv, e).transpose(1, 0, 2, 3))

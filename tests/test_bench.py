@@ -316,7 +316,13 @@ def test_legend_defines_every_column_of_both_modes():
             lines = [l for l in res.output.splitlines() if l.startswith("# ")]
             columns = getattr(mode, "ALL_COLUMNS", mode.COLUMNS)
             assert len(lines) == 1 + len(columns) and set(mode.LEGEND) == {c[0] for c in columns}
-            assert all(len(l.split(None, 2)) == 3 for l in lines[1:]), lines
+            # name, unit, definition: every time, size and rate column names its unit
+            units = {l[2:20].strip(): l[21:28].strip() for l in lines[1:]}
+            for name, unit in units.items():
+                for word, want in (("ms", "ms"), ("MB", "MB"), ("TF/s", "TF/s"), ("GB/s", "GB/s")):
+                    if word in name.split() or name.endswith(word) or name.split()[-1].startswith(word):
+                        assert unit == want, (name, unit)
+            assert units["peak MB/rk"] == "MB" and units.get("TF/s all", "TF/s") == "TF/s"
 
 
 def test_preamble_names_the_backend_and_the_legend(tmp_path):
@@ -365,6 +371,19 @@ def test_a_row_that_does_not_fit_is_refused_with_exit_4():
             assert "# REFUSED " in res.output and "it does not fit in memory" in res.output
             assert re.search(r"# Rows refused for memory : [12] FAILED", res.output), res.output
             assert not [l for l in res.output.splitlines() if l and not l.startswith("#")]  # no data row
+
+
+def test_estimates_bound_the_measured_peaks(tmp_path):
+    """Each decode stage's measured peak (JSON ``stage_mb``) stays within its estimate and
+    a slack for the allocator; the row's peak within the row's estimate the same way."""
+    path = _shared(tmp_path) / "decode.json"
+    res = CliRunner().invoke(main, DECODE + ["-J", str(path)])
+    assert res.exit_code == 0, res.output
+    if RANK == 0:
+        for row in json.loads(path.read_text())["rows"]:
+            for what, mb in row["stage_mb"].items():
+                assert mb["peak"] <= mb["est"] * 1.15 + 32, (row["seqlen"], what, mb)
+            assert row["peak_mb"] <= row["est_mb"] * 1.15 + 32, row
 
 
 def test_the_peak_is_per_row():

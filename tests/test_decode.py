@@ -292,6 +292,8 @@ def test_load_in_pieces_equals_load_at_once(window, layout):
             cache.load(sh(k), sh(v), layout=layout)
             S += n
             assert cache.seqlen == S
+        if window is not None:  # the loads kept only the live tail
+            assert (cache.shard()[2] >= N - window[0]).all()
         outs, S = [], N
         for T in Ts:
             outs.append(cache.decode(*(x[:, S:S + T] for x in (q, k, v))))
@@ -302,6 +304,32 @@ def test_load_in_pieces_equals_load_at_once(window, layout):
     for out in results:
         check_close("decode out", out, o64[:, N:], op[:, N:], "float32")
         assert len(set(COMM.allgather(zlib.crc32(out.tobytes())))) == 1
+
+
+def test_windowed_load_after_decodes_that_wrapped_the_slots():
+    """load, decodes that reuse slots (the ring buffer wraps), load again, decode: against
+    float64; a piece whose live tail exceeds the capacity raises on every rank."""
+    window, Ts, N1, N2 = (7, 0), (1, 2, 1, 2, 1, 2), 20, 13
+    total = N1 + sum(Ts) + N2 + 2
+    q, k, v, _ = ref.random_problem(1, total, 4, 2, 16, seed=5)
+    cache = burstmpi.KVCache(capacity=window[0] + 2, batch=1, kv_heads=2, head_dim=16, window=window)
+    outs, S = [], 0
+    for what, n in [("load", N1)] + [("decode", T) for T in Ts] + [("load", N2), ("decode", 2)]:
+        if what == "load":
+            sh = lambda x: burstmpi.shard(x[:, S:S + n])
+            cache.load(sh(k), sh(v))
+        else:
+            outs.append((S, cache.decode(*(x[:, S:S + n] for x in (q, k, v)))))
+        S += n
+    o64, _ = ref.forward(q, k, v, causal=True, window=window)
+    op, _ = ref.forward(q, k, v, causal=True, window=window, precision="plain")
+    for start, out in outs:
+        n = out.shape[1]
+        check_close("decode out", out, o64[:, start:start + n], op[:, start:start + n], "float32")
+    small = burstmpi.KVCache(capacity=5, batch=1, kv_heads=2, head_dim=16, window=(20, 0))
+    small.load(burstmpi.shard(k[:, :5]), burstmpi.shard(v[:, :5]))
+    with pytest.raises(ValueError, match=r"KVCache.load: capacity: expected at least the window's 20 tokens"):
+        small.load(burstmpi.shard(k[:, 5:10]), burstmpi.shard(v[:, 5:10]))
 
 
 def test_load_past_the_capacity_or_a_rank_s_slots_raises_everywhere():

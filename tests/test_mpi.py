@@ -82,19 +82,20 @@ def test_suite_under_mpiexec(n, tmp_path):
 
 
 @pytest.mark.extras
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_extras_under_mpiexec(n, tmp_path):
-    """The adapters, interop and GPU-runtime tests at n ranks, where torch, JAX or CuPy is
-    installed. A module that skips entirely (its package missing) is a skip, not a
-    failure: pytest exits 5 when it collected nothing."""
+@pytest.mark.parametrize("n,files", [(2, EXTRAS), (3, EXTRAS), (4, EXTRAS), (5, EXTRAS[-1:]), (8, EXTRAS[-1:])],
+                         ids=["2", "3", "4", "5-gpu-runtime", "8-gpu-runtime"])
+def test_extras_under_mpiexec(n, files, tmp_path):
+    """The adapters, interop and GPU-runtime tests at n ranks (the GPU runtime's alone at 5
+    and 8), where torch, JAX or CuPy is installed. A module that skips entirely (its
+    package missing) is a skip, not a failure: pytest exits 5 when it collected nothing."""
     if not any(importlib.util.find_spec(m) for m in OPTIONAL):
         pytest.skip(f"none of {', '.join(OPTIONAL)} is installed")
-    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *EXTRAS], timeout=600,
+    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *files], timeout=600,
                             BURSTMPI_REPORT_DIR=str(tmp_path))
-    assert rc in (0, 5), f"mpiexec -n {n} pytest {' '.join(EXTRAS)} failed (exit {rc}):\n{out[-6000:]}"
+    assert rc in (0, 5), f"mpiexec -n {n} pytest {' '.join(files)} failed (exit {rc}):\n{out[-6000:]}"
     counts = json.loads((tmp_path / "rank0.json").read_text())["counts"]
     if counts["passed"] == 0:
-        pytest.skip(f"every test in {', '.join(EXTRAS)} skipped at {n} ranks")
+        pytest.skip(f"every test in {', '.join(files)} skipped at {n} ranks")
     assert rc == 0 and counts["failed"] == counts["error"] == 0, counts
     MULTIRANK.append(f"mpiexec -n {n} (extras): {counts['passed']} passed, {counts['skipped']} skipped "
                      f"on each of {n} ranks in {secs:.0f} s")

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from . import attention, decode as decode_mode
 from ..layout import LAYOUTS
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
-from .common import DTYPES, cpu_line, legend, parse_size, parse_window
+from .common import DTYPES, cpu_line, legend, parse_bytes, parse_size, parse_window
 
 __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
 
@@ -77,9 +77,9 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
 @click.option("--junit", "junit_path", default=None, help="Write JUnit XML (one test case per row).")
 @click.option("--progress/--no-progress", default=None,
               help="Progress lines on stderr (rank 0); default: on for sweeps of several rows.")
-@click.option("--mem-limit", default=None, callback=lambda ctx, p, v: None if v is None else parse_size(ctx, p, v),
-              help="Bytes the bench may plan to use per node (K/M/G suffixes, e.g. 16G); default: 85 % of "
-                   "what each node has free. Baselines that do not fit are skipped, rows refused (exit 4).")
+@click.option("--mem-limit", default=None, callback=parse_bytes,
+              help="Bytes the bench may plan to use per node (K/M/G suffixes, e.g. 16G): at most this and "
+                   "85 % of what each node has free. Baselines that do not fit are skipped, rows refused (exit 4).")
 @click.option("--legend", is_flag=True,
               help="Print one line per column (its header, unit and definition) and exit; with --decode, "
                    "the decode mode's columns.")

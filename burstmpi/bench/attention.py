@@ -55,7 +55,8 @@ from ..plan import BurstAttention
 from ..layout import LAYOUTS
 from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, cores, idle_barrier,
                      np_dtype, resolve_device, say, seqlens, sweep, timed, wall)
-from .memory import Budget, Stage
+from .estimates import attention_stages
+from .memory import Budget
 
 __all__ = ["COLUMNS", "ALL_COLUMNS", "LEGEND", "CONFIG_KEYS", "PRESETS", "check_docs", "flops", "run_config",
            "main"]
@@ -138,7 +139,7 @@ LEGEND = {
     "bwd_ms": "backward, as fwd", "bwd_tflops": "backward TFLOP/s per rank (2.5 x the forward's FLOPs)",
     "fwdbwd_ms": "forward + backward", "fwdbwd_tflops": "forward + backward TFLOP/s per rank",
     "fwdbwd_tflops_all": "the whole job's forward + backward TFLOP/s",
-    "fwdbwd_ms_min": "the fastest rank's forward + backward", "fwdbwd_ms_max": "the slowest rank's",
+    "fwdbwd_ms_min": "the fastest rank's forward + backward", "fwdbwd_ms_max": "the slowest rank's forward + backward",
     "fwd_mb_sent": "bytes one rank sent in the forward (max over ranks)",
     "bwd_mb_sent": "bytes one rank sent in the backward (max over ranks)",
     "algbw": "bytes one rank sent in forward and backward / f+b time",
@@ -151,8 +152,8 @@ LEGEND = {
     "steps_skipped": "ring steps skipped in the forward, summed over ranks (fully masked blocks)",
     "docs": "documents per row (--docs)",
     "imbalance": "the most visible (query, key) pairs a rank computed in the forward over the mean (1.00: balanced)",
-    "est_mb": "memory one rank was estimated to need before the row (its resident set then plus the largest "
-              "part of the row that ran), max over ranks",
+    "est_mb": "memory one rank was estimated to need before the row, max over ranks: its resident set then plus "
+              "the largest part of the row that ran (GPUs: the GPU memory of that part)",
     "peak_mb": "the resident set's peak during the row (GPUs: CuPy's pool), max over ranks; shared-memory "
                "pages (transport shm) count in every rank that reads them",
     "wrong": "sampled values outside the dtype's tolerance against float64: out, lse, dq on 64 query rows, dk, "
@@ -345,81 +346,6 @@ def _local_kernel_s(plan, q, k, v, do, dev, start):
     return tf, time.perf_counter() - t0
 
 
-# The plan's working memory beyond its inputs, results and ring buffers (fp32 accumulators,
-# converted blocks, the bench's local-kernel reference), in float32 copies of a rank's q
-# and of its k (or v). Fitted to the peaks the bench measured (VmHWM) on the CPU backend at
-# 1 and 4 ranks, MHA and GQA, float32 and bfloat16; the estimate is printed beside the peak.
-WORK_Q, WORK_KV = 3.2, 4.1
-
-
-def _ring_buffers(cfg, C, P, shm):
-    """(own, peers) bytes of the ring's buffers on one rank: its packets and gradient
-    partials (double-buffered over MPI; one packet and two partials in a shared window with
-    ``shm``, where a rank also maps the packets of every peer it reads and its neighbour's
-    partials: its resident set counts those pages too). At 4 ranks these and ``WORK_*``
-    put the estimate within 2 % of the measured peak (MHA and GQA, float32 and bfloat16)."""
-    B, Z, Zkv, d = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    item = np.dtype(np_dtype(cfg["dtype"])).itemsize
-    kv_packet = B * C * Zkv * 2 * d * item + 8 * C
-    mode = cfg["bwd_comm"]
-    if mode == "auto":
-        mode = "ring" if Z / Zkv > 1.3 else "burst"
-    q_packet, q_partial = B * C * Z * 2 * d * item + 2 * B * Z * C * 4, B * C * Z * d * 4
-    kv_partial = B * C * Zkv * 2 * d * 4
-    packet, partial = {"burst": (max(kv_packet, q_packet), q_partial), "ring": (kv_packet, kv_partial)}.get(
-        mode, (max(kv_packet, q_packet), max(q_partial, kv_partial)))  # two-way: both directions
-    if P == 1:  # one rank reads its own K/V where they are, and sends nothing
-        return 0, 0
-    if shm:
-        return packet + 2 * partial, (P - 1) * packet + 2 * partial
-    return 2 * packet + 3 * partial, 0
-
-
-def _stages(comm, cfg, C, *, dev, check, use_torch, padded_C, shm):
-    """What one rank holds during the row (``memory.Stage``): the ring (inputs, results,
-    the plan's working memory and ring buffers), the float64 check (the ring's arrays and
-    the global q, k, v, dout it gathers), torch on rank 0 (the global problem, its copies
-    and gradients), the padded way (the ring's arrays and the largest padded document's)."""
-    P = comm.Get_size()
-    B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    item = np.dtype(np_dtype(cfg["dtype"])).itemsize
-    gpu = dev.backend == "cuda"
-
-    def ring(c):
-        """(private, shared, peers) bytes of the ring on c tokens per rank."""
-        q, kv = B * c * Z * d, B * c * Zkv * d  # elements
-        arrays = (4 * q + 4 * kv) * item + B * Z * c * 4  # q, do, k, v; out, dq, dk, dv; lse
-        own, peers = _ring_buffers(cfg, c, P, shm)
-        work = int(4 * (WORK_Q * q + WORK_KV * kv))
-        return (arrays + work, own, peers) if shm else (arrays + work + own, 0, 0)
-
-    mine, shared, peers = ring(C)
-    glob_q, glob_kv = B * N * Z * d * item, B * N * Zkv * d * item
-    local_host = (2 * B * C * (Z + Zkv) * d * item) if gpu else 0  # the host copies of the inputs
-
-    def stage(what, extra_host=0, extra=0, **kw):
-        if gpu:
-            return Stage(what, device=mine + shared + extra, host=local_host + extra_host, **kw)
-        return Stage(what, host=mine + extra + extra_host, shared=shared, peers=peers, **kw)
-
-    stages = [stage("the ring")]
-    if check:
-        # The global q, do, k, v it gathers, and the larger of a copy of the one being
-        # gathered and a block of the float64 reference's rows (``reference.CHUNK``).
-        gather = 2 * glob_q + 2 * glob_kv + max(glob_q, 5 * min(reference.CHUNK, N) * B * Z * d * 8)
-        stages.append(stage("the float64 check", extra_host=gather + 3 * B * Z * N * 8,
-                            why="-c 0 runs the row unchecked"))
-    if use_torch:
-        # Rank 0 holds the global problem (4 arrays), torch's contiguous copies (4), leaf
-        # clones and their gradients (6) and two outputs: about 7 q-sized and 6 k-sized
-        # arrays at once; the other ranks keep their ring's arrays meanwhile.
-        theirs = 7 * glob_q + 6 * glob_kv if comm.Get_rank() == 0 else 0
-        stages.append(stage("torch on rank 0", extra=theirs, required=False, why="its columns show -"))
-    if padded_C:
-        stages.append(stage("the padded way", extra=sum(ring(padded_C)), required=False, why="its columns show -"))
-    return stages
-
-
 def _inputs(cfg, C, seed, rank, dev):
     """Random local q, k, v, dout of C rows (host copies, and where the run keeps them)."""
     B, N, Z, Zkv, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -480,8 +406,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     C = len(positions)
     padded_C = 0 if cu is None else int(packing.padded_documents(cu, P)[1].max(initial=0)) // P
     shm = dev.backend == "numpy" and P > 1 and transport in ("auto", "shm") and budget.node_size == P
-    plan_mem = budget.plan(_stages(comm, cfg, max(comm.allgather(C)), dev=dev, check=check, use_torch=use_torch,
-                                   padded_C=padded_C, shm=shm),
+    plan_mem = budget.plan(attention_stages(comm, cfg, max(comm.allgather(C)), gpu=dev.backend == "cuda",
+                                            check=check, use_torch=use_torch, padded_C=padded_C, shm=shm),
                            f"seqlen {N} {cfg['dtype']} causal {cfg['causal']} {cfg['layout']} {cfg['bwd_comm']}")
     say(comm, *plan_mem.lines)
     use_torch = use_torch and plan_mem.runs.get("torch on rank 0", False)
@@ -550,7 +476,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         steps_skipped=comm.allreduce(st.forward.steps_skipped, op=MPI.SUM),
         fwd_wait_ms=1e3 * comm.allreduce(st.forward.wait_s, op=MPI.MAX),
         bwd_wait_ms=1e3 * comm.allreduce(st.backward.wait_s, op=MPI.MAX),
-        est_mb=comm.allreduce(plan_mem.estimate, op=MPI.MAX) / 1e6,
+        est_mb=comm.allreduce(plan_mem.estimate if dev.cupy is None else plan_mem.device_estimate, op=MPI.MAX) / 1e6,
         # None without documents, as rows from before --docs have it: old baselines still match.
         docs_spec=docs, docs=0 if cu is None else int(np.count_nonzero(np.diff(cu))),
         imbalance=max(pairs) / float(np.mean(pairs)) if np.mean(pairs) > 0 else 1.0,

@@ -31,7 +31,7 @@ from .memory import Budget, Refused, peak_bytes, reset_peak
 
 __all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
            "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "barrier", "idle_barrier", "wall",
-           "load_baseline", "sweep", "budget_for", "backend_line", "legend"]
+           "load_baseline", "sweep", "budget_for", "backend_line", "legend", "parse_bytes"]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
@@ -58,6 +58,21 @@ def parse_size(ctx, param, value):
         raise click.BadParameter(f"expected a length like 4096, 4K or 1M, got {value!r}")
     if n < 1:
         raise click.BadParameter(f"expected a positive length, got {value!r}")
+    return n
+
+
+def parse_bytes(ctx, param, value):
+    """'16G' -> 17179869184 bytes (K/M/G suffixes), or None."""
+    if value is None:
+        return None
+    text = str(value).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    try:
+        n = int(float(text[:-1] if mult > 1 else text) * mult)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"expected a positive number of bytes like 16G, 512M or 1000000, got {value!r}")
     return n
 
 
@@ -181,7 +196,8 @@ class Device:
             self.cupy.cuda.get_current_stream().synchronize()
 
     def peak_mb(self):
-        """Host: the process's maximum resident set. GPU: bytes CuPy's pool holds."""
+        """Host: the resident set's peak since the row began (``memory.reset_peak``). GPU:
+        bytes CuPy's pool holds."""
         if self.cupy is None:
             return peak_mb()
         return self.cupy.get_default_memory_pool().total_bytes() / 1e6
@@ -194,14 +210,22 @@ class Device:
         return f"cuda:{dev.id} {name}"
 
 
-def backend_line(dev, transport="auto"):
+def backend_line(comm, dev, transport="auto"):
     """What runs the local work, in a few words: ``cpu (numba tiles over OpenBLAS sgemm)``,
-    ``cpu (NumPy tile loops over NumPy's BLAS)``, ``cuda (burstmpi kernels, NCCL)``."""
+    ``cpu (NumPy tile loops over NumPy's BLAS)``, ``cuda (burstmpi kernels, NCCL)``.
+    Collective on GPUs: the transport is chosen from every rank's facts, as the runtime
+    chooses it (NCCL where every rank has it and no two ranks share a GPU)."""
     if dev.backend == "cuda":
         from .. import nccl
 
-        ring = {"mpi": "MPI", "nccl": "NCCL"}.get(transport, "NCCL" if nccl.available() else "MPI")
-        return f"cuda (burstmpi kernels, {ring})"
+        facts = comm.allgather((socket.gethostname(), dev.cupy.cuda.Device().id, nccl.available()))
+        shared = len({(host, gpu) for host, gpu, _ in facts}) < len(facts)
+        try:
+            ring = nccl.choose_transport("burstmpi-bench", transport if transport in ("nccl", "mpi") else "auto",
+                                         all(ok for *_, ok in facts), shared)
+        except (ValueError, NotImplementedError) as e:  # the first row raises it, on every rank
+            ring = f"{transport}: {e}"
+        return f"cuda (burstmpi kernels, {ring.upper() if ring in ('nccl', 'mpi') else ring})"
     from ..backends.numpy_backend import NumpyBackend
     from ..config import settings
 
@@ -218,7 +242,7 @@ def backend_line(dev, transport="auto"):
 
 # The unit of a column, from the last word of its header's second line.
 UNITS = {"ms": "ms", "(ms)": "ms", "MB/rk": "MB", "MB": "MB", "MB/call": "MB", "/call": "KB", "GB/s": "GB/s",
-         "(TF/s)": "TF/s", "TF/s": "TF/s", "(tok)": "tokens"}
+         "(TF/s)": "TF/s", "TF/s": "TF/s", "all": "TF/s", "(tok)": "tokens"}
 
 
 def legend(columns, definitions):
@@ -369,7 +393,7 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     P = comm.Get_size()
     base_rows = load_baseline(comm, baseline)
     who = comm.gather((socket.gethostname(), os.getpid(), dev.describe()), root=0)
-    say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {backend_line(dev, transport)}, {P} rank(s), "
+    say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {backend_line(comm, dev, transport)}, {P} rank(s), "
               f"{MPI.Get_library_version().splitlines()[0].strip()}",
         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
         *placed, *([cpu_kernels_line(comm)] if dev.backend == "numpy" else []), cpu_line(),
@@ -386,7 +410,7 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
         try:
             row = run_one(cfg)
         except Refused as e:  # the same on every rank, before anything was allocated
-            refused.append(str(e))
+            refused.append(dict(cfg, why=str(e)))
             say(comm, f"# REFUSED {e}")
             continue
         rows.append(row)
@@ -398,7 +422,7 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
               + ("" if check else " (not checked: -c 0)"),
         *(footer(rows) if rows else []),
-        f"# Max peak memory per rank (MB) : {max((r['peak_mb'] for r in rows), default=0):.0f}",
+        *([f"# Max peak memory per rank (MB) : {max(r['peak_mb'] for r in rows):.0f}"] if rows else []),
         f"# Rows refused for memory : {len(refused)} {'OK' if not refused else 'FAILED'}")
     regressed = 0
     verdicts = [dict(row=r, base=None, ratio=None, status="wrong" if r["wrong"] > 0 else "ok") for r in rows]
@@ -418,9 +442,12 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     if comm.Get_rank() == 0:
         if json_path:
             with open(json_path, "w") as fh:
-                json.dump({"version": __version__, "mode": mode, "ranks": P, "params": params, "rows": rows},
+                json.dump({"version": __version__, "mode": mode, "ranks": P, "params": params, "rows": rows,
+                           "refused": refused},
                           fh, indent=1)
         if junit_path:
             with open(junit_path, "w") as fh:
-                fh.write(regress.junit_xml(verdicts, config_keys, metric=metric))
+                fh.write(regress.junit_xml(verdicts + [dict(row=dict(r, mode=mode, ranks=P), base=None, ratio=None,
+                                                            status="refused") for r in refused],
+                                           config_keys, metric=metric))
     sys.exit(1 if wrong else 4 if refused else 3 if regressed else 0)

@@ -26,7 +26,8 @@ from ..comm import Channel
 from ..layout import layout_of
 from .common import (DTYPES, REDUCE, TOLERANCE, budget_for, choices, idle_barrier, np_dtype, resolve_device,
                      say, seqlens, sweep, timed)
-from .memory import Stage, peak_bytes, reset_peak
+from .estimates import CHECK_BYTES, ONE_RANK, capacity, decode_stages, piece_tokens
+from .memory import peak_bytes, reset_peak
 
 __all__ = ["COLUMNS", "LEGEND", "CONFIG_KEYS", "run_config", "ring_prepare", "ring_decode", "main"]
 
@@ -62,41 +63,20 @@ LEGEND = {
     "one_rank_ms": "rank 0 alone holding the whole cache (a KVCache on MPI.COMM_SELF; - when it does not fit)",
     "vs_one_rank": "1rk ms / decode ms",
     "cache_mb": "this rank's share of the cache (KVCache.nbytes), max over ranks",
-    "est_mb": "memory one rank was estimated to need before the row (its resident set then plus the "
-              "largest part of the row that ran), max over ranks",
+    "est_mb": "memory one rank was estimated to need before the row, max over ranks: its resident set then plus "
+              "the largest part of the row that ran (GPUs: the GPU memory of that part)",
     "peak_mb": "the resident set's peak during the row (GPUs: CuPy's pool), max over ranks; shared-memory "
                "pages count in every rank that reads them",
     "wrong": "values of the checked call's out and lse outside the dtype's tolerance against float64",
 }
 CONFIG_KEYS = ("mode", "seqlen", "tokens", "batch", "heads", "kv_heads", "head_dim", "dtype", "window", "ranks")
 TAG_RING = 31
-ONE_RANK = "one rank holding the whole cache (1rk)"
-# Bytes of keys and values per rank in one piece of the cache's random fill, and per chunk
-# of the float64 check: what the row needs beyond the cache stays this small.
-PIECE_BYTES = 64 << 20
-CHECK_BYTES = 32 << 20
-
-
-def _per_token(cfg):
-    """Bytes of one cached token's keys and values."""
-    return cfg["batch"] * cfg["kv_heads"] * 2 * cfg["head_dim"] * np.dtype(np_dtype(cfg["dtype"])).itemsize
-
-
 def _new_tokens(cfg, seed, i):
     """The i-th call's q, k, v: the same on every rank."""
     B, T, Z, Zkv, d = cfg["batch"], cfg["tokens"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     rng = np.random.default_rng([seed, 7, cfg["seqlen"], i])
     dt = np_dtype(cfg["dtype"])
     return [rng.standard_normal(s, dtype=np.float32).astype(dt) for s in ((B, T, Z, d), (B, T, Zkv, d), (B, T, Zkv, d))]
-
-
-def _capacity(cfg, window, extra, N):
-    return N + extra if window is None else min(N, window[0]) + extra
-
-
-def _piece_tokens(cfg, P):
-    """Global tokens per piece of the fill: a multiple of P, about PIECE_BYTES per rank."""
-    return P * max(1, PIECE_BYTES // _per_token(cfg))
 
 
 def _filled_cache(comm, cfg, seed, dev, window, extra, N=None):
@@ -106,9 +86,9 @@ def _filled_cache(comm, cfg, seed, dev, window, extra, N=None):
     P, rank = comm.Get_size(), comm.Get_rank()
     B, Zkv, d = cfg["batch"], cfg["kv_heads"], cfg["head_dim"]
     dt = np_dtype(cfg["dtype"])
-    cache = KVCache(comm, capacity=_capacity(cfg, window, extra, N), batch=B, kv_heads=Zkv, head_dim=d,
+    cache = KVCache(comm, capacity=capacity(cfg, window, extra, N), batch=B, kv_heads=Zkv, head_dim=d,
                     dtype=dt, window=window, backend=dev.backend)
-    piece = _piece_tokens(cfg, P)
+    piece = piece_tokens(cfg, P)
     for i, start in enumerate(range(0, N, piece)):
         C = layout_of("contiguous", P, min(piece, N - start)).count(rank)
         rng = np.random.default_rng([seed, rank, N, i])
@@ -117,33 +97,6 @@ def _filled_cache(comm, cfg, seed, dev, window, extra, N=None):
         cache.load(k, v)
         del k, v
     return cache
-
-
-def _stages(comm, cfg, *, window, calls, one_rank_calls, dev, shm):
-    """What one rank holds during the row (``memory.Stage``): the decode itself (its cache
-    share, and the largest of a fill piece, a check chunk and the call's buffers), the ring
-    way (the cache and the ring's packets), rank 0's whole cache for ``1rk``."""
-    P, N, T = comm.Get_size(), cfg["seqlen"], cfg["tokens"]
-    B, Z, d = cfg["batch"], cfg["heads"], cfg["head_dim"]
-    tok = _per_token(cfg) + 4  # keys, values and the int32 position
-    share = lambda cap, ranks: (-(-cap // ranks) + (1 if ranks > 1 else 0)) * tok
-    cache = share(_capacity(cfg, window, calls * T, N), P)
-    item = np.dtype(np_dtype(cfg["dtype"])).itemsize
-    # A piece's k and v, and (other than float32) the float32 draw of one being converted.
-    piece = int(_piece_tokens(cfg, P) // P * _per_token(cfg) * (1 if item == 4 else 1 + 2 / item))
-    message = (P + 2) * (32 + B * T * Z * (d + 1) * 4)
-    extra = max(piece, 2 * CHECK_BYTES, message + (16 << 20))
-    packet = cache  # the ring way's packets hold the largest shard, at most a share
-    gpu = dev.backend == "cuda"
-    ring = (dict(host=cache, shared=packet, peers=(P - 1) * packet) if shm
-            else dict(device=cache + 2 * packet) if gpu else dict(host=cache + (2 if P > 1 else 1) * packet))
-    one = share(_capacity(cfg, window, one_rank_calls * T, N), 1)
-    decode = dict(device=cache + extra, host=extra) if gpu else dict(host=cache + extra)
-    return [Stage("the decode", **decode),
-            Stage("the ring way", required=False, **ring, why="its columns show -"),
-            Stage(ONE_RANK, required=False, ranks=[0],
-                  **(dict(device=one + extra, host=extra) if gpu else dict(host=one + extra)),
-                  why="its columns show -")]
 
 
 def ring_prepare(cache):
@@ -223,11 +176,13 @@ def _float64_decode(comm, cache, q, window):
         seen = pc[None, :] <= qpos[:, None]
         if window is not None and window[0] >= 0:
             seen &= pc[None, :] >= qpos[:, None] - window[0]
-        s = np.einsum("btkgd,bnkd->btkgn", qg, kc) * cache.scale
-        s = np.where(seen[None, :, None, None, :], s, -np.inf)
+        s = np.einsum("btkgd,bnkd->btkgn", qg, kc)  # scores, then probabilities, in place:
+        s *= cache.scale                             # one chunk-sized array besides kc, vc
+        s[~np.broadcast_to(seen[None, :, None, None, :], s.shape)] = -np.inf
         m_new = np.maximum(m, s.max(axis=-1, initial=-np.inf))
         m_safe = np.where(np.isfinite(m_new), m_new, 0)
-        p = np.exp(s - m_safe[..., None])
+        s -= m_safe[..., None]
+        p = np.exp(s, out=s)
         alpha = np.exp(m - m_safe)  # 0 where nothing was seen before
         l = l * alpha + p.sum(axis=-1)
         o = o * alpha[..., None] + np.einsum("btkgn,bnkd->btkgd", p, vc)
@@ -294,8 +249,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, wi
     calls = warmup + iters + 1
     shm = dev.backend == "numpy" and P > 1 and budget.node_size == P  # as transport="auto" picks
     label = f"cached {cfg['seqlen']} {cfg['dtype']}"
-    plan = budget.plan(_stages(comm, cfg, window=window, calls=calls, one_rank_calls=warmup + iters, dev=dev,
-                               shm=shm), label)
+    plan = budget.plan(decode_stages(comm, cfg, window=window, calls=calls, one_rank_calls=warmup + iters,
+                                     gpu=dev.backend == "cuda", shm=shm), label)
     say(comm, *plan.lines)
     cache = _filled_cache(comm, cfg, seed, dev, window, calls * cfg["tokens"])
     times, compute = [], []
@@ -343,7 +298,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, wi
                vs_ring=None if ring_s is None else ring_s / t_s,
                one_rank_ms=None if one is None else 1e3 * one,
                vs_one_rank=None if one is None else one / t_s,
-               cache_mb=cache_mb, est_mb=comm.allreduce(plan.estimate, op=MPI.MAX) / 1e6,
+               cache_mb=cache_mb,
+               est_mb=comm.allreduce(plan.estimate if dev.cupy is None else plan.device_estimate, op=MPI.MAX) / 1e6,
                peak_mb=comm.allreduce(max(peaks.values()) / 1e6 if dev.cupy is None else dev.peak_mb(), op=MPI.MAX),
                wrong=wrong)
     if dev.cupy is None:  # each part's estimate and measured peak (host; max over ranks), in the JSON rows

@@ -12,8 +12,9 @@ at the end), an optional one (a baseline) is skipped with a ``#`` line saying wh
 why. Ranks agree collectively, so every rank skips the same things.
 
 Free memory is the smaller of the kernel's MemAvailable and what the process's cgroup
-(v2 or v1: containers, Slurm jobs) still allows, times ``FIT`` for headroom, or
-``--mem-limit`` per node when given (a nightly job sharing a node with others, or a test).
+(v2 or v1: containers, Slurm jobs) still allows, times ``FIT`` for headroom, and no more
+than ``--mem-limit`` per node when given (a nightly job sharing a node with others, or a
+test).
 
 Each row's peak is measured, not guessed: the kernel's high-water mark of the resident
 set (``VmHWM``) is reset before the row (``/proc/self/clear_refs``) and read after, so a
@@ -143,12 +144,13 @@ class Refused(Exception):
 class Plan:
     """``Budget.plan``'s answer: which stages run, the estimated peak resident set of this
     rank (bytes: at the row's start plus its largest stage that runs; ``stages``: the same
-    per stage that runs), and ``#`` lines."""
+    per stage that runs; ``device_estimate``: GPU bytes), and ``#`` lines."""
 
     runs: dict
     estimate: int
     lines: list = field(default_factory=list)
     stages: dict = field(default_factory=dict)
+    device_estimate: int = 0  # GPU bytes of the largest stage that runs here
 
     def __getitem__(self, what):
         return self.runs[what]
@@ -173,13 +175,15 @@ class Budget:
         self.device_key = None if device_id is None else (self.node, device_id)
 
     def free(self):
-        """(host bytes free on this node for the row, device bytes free or None)."""
+        """(host bytes this node may give the row, device bytes or None, and whether
+        ``--mem-limit`` is what bounds the host's)."""
         host = node_free_bytes()
         budget = None if host is None else int(FIT * host)
-        if self.limit is not None:
-            budget = self.limit if budget is None else min(budget, self.limit)
+        limited = self.limit is not None and (budget is None or self.limit < budget)
+        if limited:
+            budget = self.limit
         dev = None if self.device_free is None else int(FIT * self.device_free())
-        return budget, dev
+        return budget, dev, limited
 
     def plan(self, stages, label):
         """Check ``stages`` (this rank's ``Stage`` list; the same names on every rank) against
@@ -187,33 +191,35 @@ class Budget:
         fit; returns a ``Plan`` whose ``runs[what]`` says whether each stage runs."""
         comm, rank = self.comm, self.comm.Get_rank()
         base = rss_bytes()
-        free_host, free_dev = self.free()
+        free_host, free_dev, limited = self.free()
         mine = [(s.what, s.host if s.runs_on(rank) else 0, s.shared if s.runs_on(rank) else 0,
                  s.device if s.runs_on(rank) else 0) for s in stages]
-        everyone = comm.allgather((self.node, self.device_key, free_host, free_dev, mine))
+        everyone = comm.allgather((self.node, self.device_key, free_host, free_dev, limited, mine))
         runs, lines, refused = {}, [], []
         for i, stage in enumerate(stages):
             worst = None  # (need, free, where) of the pool with the least room
             pools = {}
-            for node, dkey, fh, fd, needs in everyone:
+            for node, dkey, fh, fd, lim, needs in everyone:
                 _, host, shared, device = needs[i]
-                for key, need, free in ((("node", node), host + shared, fh), (("gpu", dkey), device, fd)):
+                for key, need, free, bound in ((("node", node), host + shared, fh, lim),
+                                               (("gpu", dkey), device, fd, False)):
                     if key[1] is None:
                         continue
-                    pool = pools.setdefault(key, [0, free])
+                    pool = pools.setdefault(key, [0, free, bound])
                     pool[0] += need
-                    pool[1] = free if pool[1] is None else min(pool[1], free if free is not None else pool[1])
-            for (kind, key), (need, free) in pools.items():
+                    if free is not None and (pool[1] is None or free < pool[1]):
+                        pool[1:] = [free, bound]
+            for (kind, key), (need, free, bound) in pools.items():
                 if free is None or need <= free:
                     continue
                 where = f"node of rank {key}" if kind == "node" else f"GPU {key[1]} on the node of rank {key[0]}"
                 if worst is None or need - free > worst[0] - worst[1]:
-                    worst = (need, free, where)
+                    worst = (need, free, where, bound)
             runs[stage.what] = worst is None
             if worst is not None:
-                need, free, where = worst
+                need, free, where, bound = worst
                 text = (f"{stage.what} needs {need / 2**30:.2f} GiB on the {where}, which has "
-                        f"{free / 2**30:.2f} GiB to give ({'--mem-limit' if self.limit else f'{FIT:.0%} of its free memory'})")
+                        f"{free / 2**30:.2f} GiB to give ({'--mem-limit' if bound else f'{FIT:.0%} of its free memory'})")
                 if stage.required:
                     refused.append(text + (f"; {stage.why}" if stage.why else ""))
                 else:
@@ -222,4 +228,6 @@ class Budget:
             raise Refused(f"{label}: refused, it does not fit in memory: " + "; ".join(refused))
         per_stage = {s.what: base + (s.host + s.shared + s.peers if s.runs_on(rank) else 0)
                      for s in stages if runs[s.what]}
-        return Plan(runs=runs, estimate=max(per_stage.values(), default=base), lines=lines, stages=per_stage)
+        device = max((s.device for s in stages if runs[s.what] and s.runs_on(rank)), default=0)
+        return Plan(runs=runs, estimate=max(per_stage.values(), default=base), lines=lines, stages=per_stage,
+                    device_estimate=device)
