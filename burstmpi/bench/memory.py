@@ -160,7 +160,7 @@ class Budget:
     """The memory pools of a job (each node's host memory; each GPU's) and the checks of a
     row's stages against them. Collective to build and to plan with.
 
-    ``limit``: bytes per node the bench may use (``--mem-limit``), else what is free.
+    ``limit``: bytes per node the bench may use at most (``--mem-limit``), or None.
     ``device_free``: a callable giving this rank's GPU's free bytes, or None on hosts.
     """
 
@@ -197,7 +197,7 @@ class Budget:
         everyone = comm.allgather((self.node, self.device_key, free_host, free_dev, limited, mine))
         runs, lines, refused = {}, [], []
         for i, stage in enumerate(stages):
-            worst = None  # (need, free, where) of the pool with the least room
+            worst = None  # (need, free, where, bound by --mem-limit) of the pool short the most
             pools = {}
             for node, dkey, fh, fd, lim, needs in everyone:
                 _, host, shared, device = needs[i]
