@@ -12,7 +12,7 @@ import functools
 import numpy as np
 
 from .layout import cache_key, layout_of
-from .masks import Block, Mask, Window, count_visible
+from .masks.intervals import Block, Bounds, Mask, count_visible
 from .schedule import interaction_matrix
 
 __all__ = ["Geometry", "geometry"]
@@ -23,7 +23,7 @@ class Geometry:
 
     def __init__(self, layout_name, nranks, seqlen, lo, hi, cu_seqlens=None):
         self.layout = layout_of(layout_name, nranks, seqlen, cu_seqlens)
-        self.mask = Mask(Window.from_bounds(lo, hi), seqlen, cu_seqlens)
+        self.mask = Mask(Bounds.from_bounds(lo, hi), seqlen, cu_seqlens)
         self._needs = None
         self._pairs = {}
         self._blocks = {}
@@ -73,7 +73,7 @@ class Geometry:
         return idx
 
     def travelling_block(self, role, rank):
-        """The ``masks.Block`` of ``rank``'s travelling rows (``travelling_rows``)."""
+        """The ``masks.intervals.Block`` of ``rank``'s travelling rows (``travelling_rows``)."""
         b = self._blocks.get(("travelling", role, rank))
         if b is None:
             idx, full = self.travelling_rows(role, rank), self._block(role, rank)
@@ -85,11 +85,11 @@ class Geometry:
         return max(len(self.travelling_rows(role, r)) for r in range(self.layout.nranks))
 
     def query_block(self, rank):
-        """The ``masks.Block`` of rank's rows as queries (cached)."""
+        """The ``masks.intervals.Block`` of rank's rows as queries (cached)."""
         return self._block("q", rank)
 
     def key_block(self, rank):
-        """The ``masks.Block`` of rank's rows as keys (cached)."""
+        """The ``masks.intervals.Block`` of rank's rows as keys (cached)."""
         return self._block("k", rank)
 
     def _block(self, role, rank):

@@ -28,7 +28,7 @@ import numpy as np
 from . import ring
 from .comm import Channel, PartialChannel
 from .layout import LAYOUTS, Layout
-from .masks import Mask, Window, count_visible
+from .masks.intervals import Bounds, Mask, count_visible
 from .schedule import Schedule, pair_matrix
 
 __all__ = ["Machine", "MACHINES", "visible_pairs", "predict", "recommend"]
@@ -120,7 +120,7 @@ def predict(shape, machine, P, layout, bwd_mode):
     """Predicted times (s), exposed communication, bytes and memory of one configuration."""
     lay = Layout(layout, P, shape.seqlen)
     C = lay.max_count
-    pairs = pair_matrix(lay, Mask(Window(shape.causal, shape.window), shape.seqlen))
+    pairs = pair_matrix(lay, Mask(Bounds(shape.causal, shape.window), shape.seqlen))
     needs = pairs > 0
     f = _phase(shape, machine, P, layout, "forward", pairs, needs)
     b = _phase(shape, machine, P, layout, bwd_mode, pairs, needs)

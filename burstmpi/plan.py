@@ -11,7 +11,7 @@ from . import ring, twoway
 from .device import abort_on_device_error
 from .geometry import geometry
 from .interop import like
-from .masks import Window
+from .masks.intervals import Bounds
 from .runtime import Runtime
 from .schedule import Schedule
 from .validate import check_backward, check_cu_seqlens, check_forward, check_options, fingerprint, global_layout
@@ -132,7 +132,7 @@ class BurstAttention:
         self.runtime = runtime if runtime is not None else Runtime(
             fn, comm, backend=backend, transport=transport, device=device)
         self.causal, self.window_arg = bool(causal), None if window is None else tuple(window)
-        self.window = Window(causal, window)
+        self.window = Bounds(causal, window)
         self.softmax_scale, self.layout_name, self.bwd_comm = softmax_scale, layout, bwd_comm
         self.last_stats = Stats()
 

@@ -10,7 +10,7 @@ allows our error against float64 to be about twice that one's.
 import numpy as np
 
 from .interop import bfloat16
-from .masks import Window
+from .masks.intervals import Bounds
 
 __all__ = ["visible", "forward", "backward", "rows", "key_rows", "random_problem", "ATOL",
            "flash_attn_rule"]
@@ -28,7 +28,7 @@ def visible(qpos, kpos, causal=False, window=None, cu_seqlens=None):
     and, with ``cu_seqlens``, inside the query's own document. Written from the
     definitions (document ids compared, window offsets tested), independently of the
     interval form the library uses."""
-    w = Window(causal, window)
+    w = Bounds(causal, window)
     d = np.asarray(kpos)[None, :] - np.asarray(qpos)[:, None]
     seen = (d >= -w.lo) & (d <= w.hi)
     if cu_seqlens is not None:

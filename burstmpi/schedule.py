@@ -23,7 +23,7 @@ stop early. Ties go to +1.
 
 import numpy as np
 
-from .masks import count_visible
+from .masks.intervals import count_visible
 
 __all__ = ["Schedule", "pair_matrix", "interaction_matrix", "ring_bytes"]
 

@@ -105,9 +105,9 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
 def check_fully_masked_rows(be, dtype, d):
     """A backend's local work on queries that see no key: out 0, lse -inf, no NaN anywhere,
     and zero gradients (lse -inf goes in as is: the backend must read it as +inf)."""
-    from burstmpi.masks import Mask, Window
+    from burstmpi.masks.intervals import Bounds, Mask
 
-    mask, rng = Mask(Window(causal=True), 8), np.random.default_rng(0)
+    mask, rng = Mask(Bounds(causal=True), 8), np.random.default_rng(0)
     q = rng.standard_normal((1, 1, 6, 2, d)).astype(dtype)
     k, v = (rng.standard_normal((1, 1, 5, d)).astype(dtype) for _ in range(2))
     # causal: queries 0..2 see none of keys 3..7

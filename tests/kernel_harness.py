@@ -192,7 +192,7 @@ class Emulated:
 
     Arrays are in the user's layout: q, dout (B, C, Z, d|dv); k, v (B, C, Zkv, d|dv); the
     running state acc (B, C, Z, dv) and m, l (B, C, Z) in fp32; lse (B, Z, C). Masks are
-    ``burstmpi.masks.Block`` s, as the ring hands them to a backend: a query block's
+    ``burstmpi.masks.intervals.Block`` s, as the ring hands them to a backend: a query block's
     first/last bound the keys each row sees, a key block's the queries that see each row.
     """
 

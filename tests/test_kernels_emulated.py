@@ -3,7 +3,7 @@
 Each case splits a global sequence into P blocks as the ring does (layout positions,
 key blocks visited in ring order and merged into one running state), runs the forward,
 finalize, preprocess, dQ and dK/dV kernels exactly as a GPU backend launches them, with
-the per-row mask intervals of burstmpi.masks, and checks out, lse, dq, dk and dv against
+the per-row mask intervals of burstmpi.masks.intervals, and checks out, lse, dq, dk and dv against
 the float64 reference with flash-attn's rule. Cases cover windows, packed documents
 (``cu_seqlens``: empty and 1-token documents, one spanning every block, dozens in one
 tile) and blocks of unequal lengths. The NumPy backend solves the same problem (one rank)
@@ -24,7 +24,7 @@ import kernel_harness as kh
 from burstmpi import kernels
 from burstmpi import reference as ref
 from burstmpi.layout import Layout
-from burstmpi.masks import Mask, Window
+from burstmpi.masks.intervals import Bounds, Mask
 from conftest import WORST, check_close, f64
 
 pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
@@ -140,7 +140,7 @@ def run_kernels(lib, c, seed=0):
     N = c.seqlen
     q, k, v, do = ref.random_problem(c.B, N, c.Z, c.Zkv, c.d, c.dv, dtype=kh.NP_DTYPES[c.dtype], seed=seed)
     lay = Layout(c.layout, c.P, N, cu_seqlens=c.docs)
-    mask = Mask(Window(*MASKS[c.mask]), N, c.docs)
+    mask = Mask(Bounds(*MASKS[c.mask]), N, c.docs)
     scale = 1.0 / np.sqrt(c.d)
     em = kh.Emulated(lib, c.dtype, c.d, c.dv, c.schedule, seed, kernels.SMEM_LIMIT[c.arch])
     pos = [lay.positions(r) for r in range(c.P)]
@@ -202,7 +202,7 @@ def test_backend_launches_nothing_for_blocks_without_rows(libs):
     unchanged and returns empty results of the right shapes."""
     be = kh.EmulatedBackend(libs("float16", 64, 64))
     B, Zkv, g, d, f16, f32 = 1, 1, 2, 64, np.float16, np.float32
-    mask, rng = Mask(Window(causal=True), 8), np.random.default_rng(0)
+    mask, rng = Mask(Bounds(causal=True), 8), np.random.default_rng(0)
     qb = {n: mask.query_block(np.arange(n)) for n in (0, 6)}
     kb = {n: mask.key_block(np.arange(8 - n, 8)) for n in (0, 5)}
     q = {n: rng.standard_normal((B, Zkv, n, g, d)).astype(f16) for n in (0, 6)}

@@ -5,14 +5,14 @@ from click.testing import CliRunner
 
 from burstmpi import model
 from burstmpi.layout import LAYOUTS, Layout
-from burstmpi.masks import Mask, Window
+from burstmpi.masks.intervals import Bounds, Mask
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (5, 2)), (True, (9, 0))])
 def test_visible_pairs_count_the_mask_exactly(layout, causal, window):
     P, C = 4, 12
-    lay, win = Layout(layout, P, P * C), Window(causal, window)
+    lay, win = Layout(layout, P, P * C), Bounds(causal, window)
     for h in range(P):
         for o in range(P):
             brute = int(Mask(win, P * C).visible(lay.positions(h), lay.positions(o)).sum())

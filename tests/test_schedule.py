@@ -7,7 +7,7 @@ import pytest
 import burstmpi
 from burstmpi import reference as ref
 from burstmpi.layout import Layout
-from burstmpi.masks import Mask, Window
+from burstmpi.masks.intervals import Bounds, Mask
 from burstmpi.ring import bytes_per_step
 from burstmpi.schedule import Schedule, interaction_matrix
 
@@ -15,7 +15,7 @@ from conftest import NRANKS, RANK
 
 
 def schedules(P, layout, causal=False, window=None, mode="forward", C=64):
-    a = interaction_matrix(Layout(layout, P, P * C), Mask(Window(causal, window), P * C))
+    a = interaction_matrix(Layout(layout, P, P * C), Mask(Bounds(causal, window), P * C))
     needs = a.T if mode == "burst" else a
     return needs, [Schedule(needs, r, packet_bytes=10, partial_bytes=4) for r in range(P)]
 
@@ -130,5 +130,5 @@ def test_interaction_matrix_is_where_pairs_are_visible(layout, causal, window, d
 
     P, N = 7, 7 * 23 + 4
     cu = np.array([0, 1, 1, 40, 41, 150, 151, 152, N]) if docs else None
-    lay, mask = Layout(layout, P, N, cu), Mask(Window(causal, window), N, cu)
+    lay, mask = Layout(layout, P, N, cu), Mask(Bounds(causal, window), N, cu)
     np.testing.assert_array_equal(interaction_matrix(lay, mask), pair_matrix(lay, mask) > 0)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from burstmpi.geometry import Geometry
-from burstmpi.masks import Window
+from burstmpi.masks.intervals import Bounds
 from burstmpi.ring import nbytes, packet_fields
 from burstmpi.schedule import Schedule
 from burstmpi.twoway import TwoWaySchedule, arcs, two_way_bytes
@@ -15,7 +15,7 @@ from ordered_transport import InOrderTransport
 
 
 def needs_of(P, layout, N, causal=False, window=None, cu=None, mode="forward"):
-    w = Window(causal, window)
+    w = Bounds(causal, window)
     return Geometry(layout, P, N, w.lo, w.hi, cu).needs(mode)
 
 

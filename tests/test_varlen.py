@@ -10,7 +10,7 @@ import pytest
 import burstmpi
 from burstmpi import reference as ref
 from burstmpi.layout import Layout, split_sizes
-from burstmpi.masks import Mask, Window
+from burstmpi.masks.intervals import Bounds, Mask
 
 from conftest import COMM, DTYPES, NRANKS, RANK, check_against_float64, needs_ranks, random_docs
 
@@ -63,7 +63,7 @@ def test_zigzag_places_documents_whole_or_zigzagged_and_balances_work(P, spec):
             assert [int(x[0]) for x in runs] == list(range(P)) + list(range(P - 1))[::-1]
             sizes = [len(x) for i, x in enumerate(runs) if i != P - 1]
             assert max(sizes) - min(sizes) <= 1
-    pairs = pair_matrix(lay, Mask(Window(causal=True), N, cu)).sum(axis=1)
+    pairs = pair_matrix(lay, Mask(Bounds(causal=True), N, cu)).sum(axis=1)
     assert pairs.max() / pairs.mean() <= 1.06, pairs
     assert lay.counts.max() <= 1.1 * N / P + 2 * P
     if spec == "fixed:40":
@@ -197,7 +197,7 @@ def test_stats_count_the_visible_pairs(layout):
     cu = random_docs(N, seed=6, mean=12)
     plan, _ = check_against_float64(N=N, cu_seqlens=cu, causal=True, layout=layout, bwd_comm="burst")
     pos = np.arange(N)
-    total = int(Mask(Window(causal=True), N, cu).visible(pos, pos).sum())
+    total = int(Mask(Bounds(causal=True), N, cu).visible(pos, pos).sum())
     st = plan.last_stats
     assert COMM.allreduce(st.forward.pairs) == total
     assert COMM.allreduce(st.backward.pairs) == total

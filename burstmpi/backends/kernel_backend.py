@@ -11,7 +11,7 @@ Any strides are fine: the kernels address a query row by (batch, token, KV head,
 group) and a key row by (batch, token, KV head), so the ring's views of the caller's
 arrays and its contiguous packets go in unchanged.
 
-Masks arrive as ``burstmpi.masks.Block`` s (host int64 arrays): for the query rows their
+Masks arrive as ``burstmpi.masks.intervals.Block`` s (host int64 arrays): for the query rows their
 positions and the interval of key positions each row sees, for the key rows their
 positions and the interval of query positions that see each. The kernels take the three
 arrays each needs as int32 device copies, cached (see ``_device_ints``).
@@ -153,7 +153,7 @@ class KernelBackend:
 
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
         """Merge key block ``k``, ``v`` into the state of queries ``q``; ``qb``, ``kb``
-        are the masks.Block of the query and the key rows."""
+        are the masks.intervals.Block of the query and the key rows."""
         acc, m, l = state
         B, Zkv, C, g, d = q.shape
         if self._rows("fwd_block", qb, kb, C, k.shape[2]):  # else no pair: the state stays
@@ -206,7 +206,7 @@ class KernelBackend:
 
     def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qb, kb, scale, poll=None):
         """Add one block pair's gradients to dq (unscaled), dk and dv; ``qb``, ``kb`` are
-        the masks.Block of the query and the key rows. ``dq=None`` skips the dQ kernel and
+        the masks.intervals.Block of the query and the key rows. ``dq=None`` skips the dQ kernel and
         ``dk=dv=None`` the dK/dV one (the two-way ring computes each on its own rank)."""
         B, Zkv, C, g, d = q.shape
         if self._rows("bwd_block", qb, kb, C, k.shape[2]):  # else no pair: nothing to add

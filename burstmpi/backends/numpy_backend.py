@@ -32,7 +32,7 @@ order: results are bitwise reproducible.
 import numpy as np
 
 from ..config import settings
-from ..masks import EMPTY, PARTIAL, classify_tiles
+from ..masks.intervals import EMPTY, PARTIAL, classify_tiles
 from ..validate import check_out
 from . import numpy_decode, tile_ops
 from .threads import Workers
@@ -89,7 +89,7 @@ def _tile_plan(qb, kb, tq, tk):
     hi), key tile t being columns c0[t]..c1[t]-1, iv[t] -1 where every row sees it whole,
     else the row of (lo, hi) holding each query token's visible run of its columns.
 
-    ``qb``, ``kb`` are the ``masks.Block`` of the query and key rows; positions increase
+    ``qb``, ``kb`` are the ``masks.intervals.Block`` of the query and key rows; positions increase
     along both sides, so a tile's first and last rows bound its visible key intervals,
     and what a query token sees of a key tile is one run of its columns."""
     if len(qb.pos) == 0 or len(kb.pos) == 0:
@@ -338,7 +338,7 @@ class NumpyBackend:
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
         """Merge attention of queries ``q`` over the block (k, v) into ``state``.
 
-        ``qb``, ``kb``: the ``masks.Block`` of the query and key rows. One work item is a
+        ``qb``, ``kb``: the ``masks.intervals.Block`` of the query and key rows. One work item is a
         query tile of one (batch, KV head) against every key tile it sees, on the workers;
         ``poll`` runs meanwhile."""
         acc, m, l = state

@@ -50,7 +50,7 @@ from mpi4py import MPI
 
 from .. import packing, reference
 from ..api import shard_indices, unshard
-from ..masks import Mask, Window
+from ..masks.intervals import Bounds, Mask
 from ..plan import BurstAttention
 from ..layout import LAYOUTS
 from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, cores, idle_barrier,
@@ -182,7 +182,7 @@ def flops(batch, seqlen, heads, head_dim, causal, phase="fwd", window=None, cu_s
     if window is None and cu_seqlens is None:
         f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
     else:
-        qb = Mask(Window(causal, window), seqlen, cu_seqlens).query_block(np.arange(seqlen))
+        qb = Mask(Bounds(causal, window), seqlen, cu_seqlens).query_block(np.arange(seqlen))
         f = 4.0 * batch * heads * head_dim * float((qb.last - qb.first + 1).sum())
     return {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}[phase]
 
@@ -323,7 +323,7 @@ def _local_kernel_s(plan, q, k, v, do, dev, start):
     Zkv, dv = k.shape[2], v.shape[3]
     g = Z // Zkv
     acc = be.acc_dtype(q.dtype)
-    dense = Mask(Window(), C)
+    dense = Mask(Bounds(), C)
     qb, kb = dense.query_block(np.arange(C)), dense.key_block(np.arange(C))
     qr, dor = _rows(q, Zkv), _rows(do, Zkv)
     kr, vr = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)

@@ -32,15 +32,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["UNBOUNDED", "EMPTY", "FULL", "PARTIAL", "Window", "Mask", "Block",
+__all__ = ["UNBOUNDED", "EMPTY", "FULL", "PARTIAL", "Bounds", "Mask", "Block",
            "classify_tiles", "tile_mask", "count_visible"]
 
 UNBOUNDED = 1 << 62
 EMPTY, FULL, PARTIAL = 0, 1, 2
 
 
-class Window:
-    """Normalised window bounds: key j is visible from query i iff i-lo <= j <= i+hi."""
+class Bounds:
+    """A window's normalised bounds: key j is visible from query i iff i-lo <= j <= i+hi
+    (from the ``causal=`` and ``window=`` arguments; flash-attn's -1 becomes ``UNBOUNDED``)."""
 
     def __init__(self, causal=False, window=None):
         left, right = (-1, -1) if window is None else window
@@ -63,7 +64,7 @@ class Window:
 
     def __repr__(self):
         side = lambda b: -1 if b == UNBOUNDED else b
-        return f"Window(lo={side(self.lo)}, hi={side(self.hi)})"
+        return f"Bounds(lo={side(self.lo)}, hi={side(self.hi)})"
 
 
 class Block(NamedTuple):
