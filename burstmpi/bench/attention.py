@@ -54,7 +54,7 @@ from ..masks.intervals import Bounds, Mask
 from ..plan import BurstAttention
 from ..layout import LAYOUTS
 from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, cores, idle_barrier,
-                     np_dtype, resolve_device, say, seqlens, sweep, timed, wall)
+                     np_dtype, reads_in_place, resolve_device, say, seqlens, sweep, timed, wall)
 from .estimates import attention_stages
 from .memory import Budget
 
@@ -405,9 +405,9 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     positions = shard_indices(N, comm=comm, layout=cfg["layout"], cu_seqlens=cu)
     C = len(positions)
     padded_C = 0 if cu is None else int(packing.padded_documents(cu, P)[1].max(initial=0)) // P
-    shm = dev.backend == "numpy" and P > 1 and transport in ("auto", "shm") and budget.node_size == P
     plan_mem = budget.plan(attention_stages(comm, cfg, max(comm.allgather(C)), gpu=dev.backend == "cuda",
-                                            check=check, use_torch=use_torch, padded_C=padded_C, shm=shm),
+                                            check=check, use_torch=use_torch, padded_C=padded_C,
+                                            shm=reads_in_place(comm, dev, budget, transport)),
                            f"seqlen {N} {cfg['dtype']} causal {cfg['causal']} {cfg['layout']} {cfg['bwd_comm']}")
     say(comm, *plan_mem.lines)
     use_torch = use_torch and plan_mem.runs.get("torch on rank 0", False)

@@ -31,7 +31,7 @@ from .memory import Budget, Refused, peak_bytes, reset_peak
 
 __all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
            "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "barrier", "idle_barrier", "wall",
-           "load_baseline", "sweep", "budget_for", "backend_line", "legend", "parse_bytes"]
+           "load_baseline", "sweep", "budget_for", "reads_in_place", "backend_line", "legend", "parse_bytes"]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
@@ -46,14 +46,20 @@ REDUCE = {0: ("rank 0", lambda v: v[0]), 1: ("average", np.mean), 2: ("minimum",
           3: ("maximum", np.max)}
 
 
+def _suffixed(value, number=int):
+    """'4K' -> 4096, '1M' -> 1048576, '1000' -> 1000 (binary K/M/G/T); ``number`` reads the
+    digits (``float`` also takes '1.5G'). Raises ValueError."""
+    text = str(value).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    return int(number(text[:-1] if mult > 1 else text) * mult)
+
+
 def parse_size(ctx, param, value):
-    """'4K' -> 4096, '1M' -> 1048576, '1000' -> 1000."""
+    """A length: '4K' -> 4096, '1M' -> 1048576, '1000' -> 1000."""
     if isinstance(value, int):
         return value
-    text = str(value).strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     try:
-        n = int(text[:-1] if mult > 1 else text) * mult
+        n = _suffixed(value)
     except ValueError:
         raise click.BadParameter(f"expected a length like 4096, 4K or 1M, got {value!r}")
     if n < 1:
@@ -62,13 +68,11 @@ def parse_size(ctx, param, value):
 
 
 def parse_bytes(ctx, param, value):
-    """'16G' -> 17179869184 bytes (K/M/G suffixes), or None."""
+    """Bytes: '16G' -> 17179869184 (K/M/G/T suffixes, '1.5G' too), or None."""
     if value is None:
         return None
-    text = str(value).strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
     try:
-        n = int(float(text[:-1] if mult > 1 else text) * mult)
+        n = _suffixed(value, float)
     except ValueError:
         n = 0
     if n < 1:
@@ -111,19 +115,28 @@ def blas_threads(comm):
                      f"{ranks_here} ranks on rank 0's node); torch, when asked for, gets {ncores}")
 
 
+def _cpu_ops():
+    """The CPU backend's tile loops as configured (``tile_ops`` or ``cpu_tiles``), or why
+    they are unavailable (a string)."""
+    from ..backends.numpy_backend import NumpyBackend
+    from ..config import settings
+
+    try:
+        return NumpyBackend(kernels=settings().cpu_kernels).ops
+    except RuntimeError as e:
+        return str(e)
+
+
 def cpu_kernels_line(comm):
     """The CPU backend's tile loops (compiled, and over which sgemm, or NumPy's), its threads
     per rank, and what their first use cost (compiling, or loading from numba's disk cache)."""
-    from ..backends.numpy_backend import NumpyBackend
     from ..backends.threads import threads_per_rank
     from ..config import settings
 
-    cfg = settings()
-    threads = threads_per_rank(comm, cfg.threads)
-    try:
-        ops = NumpyBackend(kernels=cfg.cpu_kernels).ops
-    except RuntimeError as e:
-        return f"#  CPU kernels: unavailable ({e})"
+    threads = threads_per_rank(comm, settings().threads)
+    ops = _cpu_ops()
+    if isinstance(ops, str):
+        return f"#  CPU kernels: unavailable ({ops})"
     how = ops.describe() if hasattr(ops, "describe") else ("NumPy tile loops (BURSTMPI_CPU_KERNELS=numpy, or the "
                                                            "compiled ones unavailable: numba or BLAS's sgemm missing)")
     return (f"#  CPU kernels: {how}; {threads} tile thread(s) per rank, each with 1-threaded BLAS "
@@ -226,12 +239,8 @@ def backend_line(comm, dev, transport="auto"):
         except (ValueError, NotImplementedError) as e:  # the first row raises it, on every rank
             ring = f"{transport}: {e}"
         return f"cuda (burstmpi kernels, {ring.upper() if ring in ('nccl', 'mpi') else ring})"
-    from ..backends.numpy_backend import NumpyBackend
-    from ..config import settings
-
-    try:
-        ops = NumpyBackend(kernels=settings().cpu_kernels).ops
-    except RuntimeError:
+    ops = _cpu_ops()
+    if isinstance(ops, str):
         return "cpu (unavailable: see the CPU kernels line)"
     if not hasattr(ops, "describe"):
         return "cpu (NumPy tile loops over NumPy's BLAS)"
@@ -252,6 +261,13 @@ def legend(columns, definitions):
         name = head if unit.startswith("(") or not unit else f"{head} {unit}"
         lines.append(f"# {name:18s} {UNITS.get(unit.split()[-1] if unit else '', ''):7s} {definitions[key]}")
     return lines
+
+
+def reads_in_place(comm, dev, budget, transport="auto"):
+    """Will the ring's host packets live in a shared window (``burstmpi.shm``), as the
+    runtime's ``transport="auto"`` (or ``"shm"``) picks: host arrays, ranks all on one node?"""
+    return dev.backend == "numpy" and comm.Get_size() > 1 and transport in ("auto", "shm") \
+        and budget.node_size == comm.Get_size()
 
 
 def budget_for(comm, dev, limit):

@@ -24,8 +24,8 @@ from mpi4py import MPI
 from ..cache import KVCache
 from ..comm import Channel
 from ..layout import layout_of
-from .common import (DTYPES, REDUCE, TOLERANCE, budget_for, choices, idle_barrier, np_dtype, resolve_device,
-                     say, seqlens, sweep, timed)
+from .common import (DTYPES, REDUCE, TOLERANCE, budget_for, choices, idle_barrier, np_dtype, reads_in_place,
+                     resolve_device, say, seqlens, sweep, timed)
 from .estimates import CHECK_BYTES, ONE_RANK, capacity, decode_stages, piece_tokens
 from .memory import peak_bytes, reset_peak
 
@@ -247,10 +247,9 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, wi
     P = comm.Get_size()
     _, red = REDUCE[reduce]
     calls = warmup + iters + 1
-    shm = dev.backend == "numpy" and P > 1 and budget.node_size == P  # as transport="auto" picks
     label = f"cached {cfg['seqlen']} {cfg['dtype']}"
     plan = budget.plan(decode_stages(comm, cfg, window=window, calls=calls, one_rank_calls=warmup + iters,
-                                     gpu=dev.backend == "cuda", shm=shm), label)
+                                     gpu=dev.backend == "cuda", shm=reads_in_place(comm, dev, budget)), label)
     say(comm, *plan.lines)
     cache = _filled_cache(comm, cfg, seed, dev, window, calls * cfg["tokens"])
     times, compute = [], []
@@ -273,7 +272,6 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, wi
         t, (_, ring_sent) = timed(comm, lambda: ring_decode(cache, q, state), dev)
         if i >= warmup:
             ring_t.append(t)
-        del state
     coll = _collective_s(cache, st.message_bytes, iters, dev)
     cache_mb = comm.allreduce(cache.nbytes, op=MPI.MAX) / 1e6
     if plan["the ring way"]:

@@ -11,7 +11,7 @@ decode rows also per stage in the JSON), so a figure that drifts shows.
 import numpy as np
 
 from .. import reference
-from ..interop import bfloat16
+from .common import np_dtype
 from .memory import Stage
 
 __all__ = ["WORK_Q", "WORK_KV", "PIECE_BYTES", "CHECK_BYTES", "ONE_RANK", "attention_stages", "decode_stages",
@@ -30,7 +30,7 @@ ONE_RANK = "one rank holding the whole cache (1rk)"
 
 
 def _item(cfg):
-    return np.dtype(bfloat16 if cfg["dtype"] == "bfloat16" else cfg["dtype"]).itemsize
+    return np.dtype(np_dtype(cfg["dtype"])).itemsize
 
 
 # -- attention mode ---------------------------------------------------------------------

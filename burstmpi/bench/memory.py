@@ -24,22 +24,16 @@ of a shared-memory window count in every rank that touches them (the ``shm`` tra
 packets read in place); stages say so with their ``shared`` bytes, summed once per node.
 """
 
-import os
 import resource
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-__all__ = ["FIT", "Stage", "Refused", "Budget", "node_free_bytes", "reset_peak", "peak_bytes", "rss_bytes",
-           "mb"]
+__all__ = ["FIT", "Stage", "Refused", "Budget", "node_free_bytes", "reset_peak", "peak_bytes", "rss_bytes"]
 
 # The fraction of the free memory a row may plan to use: allocators, page tables, MPI's own
 # buffers and the libraries' first-touch pages are not in the estimate.
 FIT = 0.85
-
-
-def mb(nbytes):
-    return nbytes / 1e6
 
 
 def _read_int(path):
