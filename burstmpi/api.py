@@ -14,7 +14,7 @@ __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None,
-              layout="contiguous", cu_seqlens=None, return_lse=False):
+              layout="contiguous", cu_seqlens=None, return_lse=False, mask=None):
     """Exact softmax attention over a sequence spread across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own part of the sequence.
@@ -47,6 +47,9 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
         ``shard``/``unshard``/``shard_indices``.
     return_lse : bool
         Also return the log-sum-exp of the scores.
+    mask : burstmpi.masks.Mask, optional
+        Sinks, chunks, block-sparse and per-head patterns, and their ``&``/``|``
+        (``burstmpi.masks``), ANDed with ``causal``, ``window`` and the document rule.
 
     Returns
     -------
@@ -55,23 +58,23 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
         only with ``return_lse``. Rows that see no key give ``out = 0`` and ``lse = -inf``.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout)
+                          layout=layout, mask=mask)
     out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, window=None,
-                       softmax_scale=None, layout="contiguous", cu_seqlens=None, bwd_comm="auto"):
+                       softmax_scale=None, layout="contiguous", cu_seqlens=None, bwd_comm="auto", mask=None):
     """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to this rank's q, k, v.
 
     ``out`` and ``lse`` are the forward's results (``return_lse=True``); the other
-    arguments (``cu_seqlens`` included) must match the forward call. ``bwd_comm`` chooses
+    arguments (``cu_seqlens`` and ``mask`` included) must match the forward call. ``bwd_comm`` chooses
     what circulates: "burst" (Q, dO, dQ), "ring" (K, V, dK, dV) or "auto" (fewer bytes).
     Gradients are accumulated in float32 (float64 for float64 inputs) across every ring
     step and returned in the dtype and kind of the inputs.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout, bwd_comm=bwd_comm)
+                          layout=layout, bwd_comm=bwd_comm, mask=mask)
     return plan.backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens)
 
 

@@ -1,42 +1,64 @@
 """The geometry of one call: where tokens live, what each sees, and what that costs.
 
 Every rank derives the same ``Geometry`` from what the agreement collective told it (the
-global length, the layout, the mask and the documents), so the schedule of the ring, the
-row blocks handed to the kernels and the pair counts in ``last_stats`` always agree
-between ranks. Geometries are cached: a training loop that repeats its shapes (or its
-document packing) builds each once.
+global length, the layout, the window, the mask and the documents), so the schedule of
+the ring, the row blocks handed to the kernels and the pair counts in ``last_stats``
+always agree between ranks. Geometries are cached: a training loop that repeats its
+shapes (or its document packing) builds each once.
+
+The mask arrives lowered (``burstmpi.masks.terms``): per group of query heads, a few
+disjoint terms, each one monotone interval per row. A block's rows are therefore a
+``BlockSet``: one ``masks.intervals.Block`` per (head group, term). A ring step computes
+its block pair once per term that has a visible pair there (``pieces``).
 """
 
-import functools
+from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
 from .layout import cache_key, layout_of
-from .masks.intervals import Block, Bounds, Mask, count_visible
+from .masks.intervals import Block, count_visible
+from .masks.terms import Docs, lower
 from .schedule import interaction_matrix
 
-__all__ = ["Geometry", "geometry"]
+__all__ = ["Geometry", "BlockSet", "geometry"]
+
+
+class BlockSet(NamedTuple):
+    """The rows of one block as every term of the mask sees them.
+
+    ``key`` names the block (role, rank, travelling); ``groups`` is a list of (heads,
+    blocks, filters): the query heads of a group (None: all), one ``Block`` per term and
+    each term's ``masks.blocks.BlockFilter`` (None for a plain interval)."""
+    key: tuple
+    groups: list
 
 
 class Geometry:
-    """Layout, mask and visible pairs of one (layout, ranks, length, window, documents)."""
+    """Layout, mask and visible pairs of one (layout, ranks, length, window, documents, mask)."""
 
-    def __init__(self, layout_name, nranks, seqlen, lo, hi, cu_seqlens=None):
+    def __init__(self, layout_name, nranks, seqlen, lo, hi, cu_seqlens=None, mask=None):
         self.layout = layout_of(layout_name, nranks, seqlen, cu_seqlens)
-        self.mask = Mask(Bounds.from_bounds(lo, hi), seqlen, cu_seqlens)
+        self.mask = lower(mask, lo, hi, Docs(seqlen, cu_seqlens))
         self._needs = None
-        self._pairs = {}
-        self._blocks = {}
+        self._pairs, self._blocks, self._pieces = {}, {}, {}
 
     def pairs(self, qrank, krank):
-        """Visible (query token, key token) pairs of qrank's queries and krank's keys
-        (exact, cached). Each rank asks only for the blocks it computed with."""
+        """Visible (query token, key token) pairs of qrank's queries and krank's keys,
+        averaged over the query heads where a per-head mask makes them differ (exact,
+        cached). Each rank asks only for the blocks it computed with."""
         n = self._pairs.get((qrank, krank))
         if n is None:
             if self.mask.dense:
                 n = self.layout.count(qrank) * self.layout.count(krank)
             else:
-                n = count_visible(self.query_block(qrank), self.layout.positions(krank))
+                kpos = self.layout.positions(krank)
+                n = 0
+                for heads, blocks, filters in self.block("q", qrank).groups:
+                    n += sum(_count(b, f, kpos) for b, f in zip(blocks, filters)) * (1 if heads is None else len(heads))
+                if self.mask.nheads:
+                    n //= self.mask.nheads
             self._pairs[(qrank, krank)] = n
         return n
 
@@ -55,58 +77,82 @@ class Geometry:
         in its packets. ``role`` "k": its keys (seen by other ranks' queries); "q": its
         queries (seeing other ranks' keys). An int64 index array, increasing, cached.
 
-        A row's visible interval is a range of global positions, every one held by some
-        rank as both query and key; the row is needed elsewhere iff that range holds a
-        position its own rank does not. A document that lies on one rank, or the middle
-        of a block under a narrow window, never leaves home."""
+        A row's visible interval (in any term, for any head) is a range of global
+        positions, every one held by some rank as both query and key; the row is needed
+        elsewhere iff that range holds a position its own rank does not. A document that
+        lies on one rank, or the middle of a block under a narrow window, never leaves home."""
         idx = self._blocks.get(("rows", role, rank))
         if idx is None:
-            block = self._block(role, rank)
+            full = self.block(role, rank)
             if self.mask.dense:
-                idx = np.arange(len(block.pos))
+                idx = np.arange(len(self.layout.positions(rank)))
             else:
                 own = self.layout.positions(rank)
-                inside = (np.searchsorted(own, block.last, side="right")
-                          - np.searchsorted(own, block.first, side="left"))
-                idx = np.nonzero(inside < block.last - block.first + 1)[0]
+                need = np.zeros(len(own), dtype=bool)
+                for _, blocks, filters in full.groups:
+                    for b, f in zip(blocks, filters):
+                        if f is not None:  # a block-sparse term: count the set blocks' positions
+                            need |= f.needed(b, own, self.layout.seqlen, role)
+                            continue
+                        inside = (np.searchsorted(own, b.last, side="right")
+                                  - np.searchsorted(own, b.first, side="left"))
+                        need |= (b.last >= b.first) & (inside < b.last - b.first + 1)
+                idx = np.nonzero(need)[0]
             self._blocks[("rows", role, rank)] = idx
         return idx
-
-    def travelling_block(self, role, rank):
-        """The ``masks.intervals.Block`` of ``rank``'s travelling rows (``travelling_rows``)."""
-        b = self._blocks.get(("travelling", role, rank))
-        if b is None:
-            idx, full = self.travelling_rows(role, rank), self._block(role, rank)
-            b = self._blocks[("travelling", role, rank)] = Block(*(x[idx] for x in full))
-        return b
 
     def packet_rows(self, role):
         """Rows of a packet of ``role``: the most any rank sends (the same on every rank)."""
         return max(len(self.travelling_rows(role, r)) for r in range(self.layout.nranks))
 
-    def query_block(self, rank):
-        """The ``masks.intervals.Block`` of rank's rows as queries (cached)."""
-        return self._block("q", rank)
-
-    def key_block(self, rank):
-        """The ``masks.intervals.Block`` of rank's rows as keys (cached)."""
-        return self._block("k", rank)
-
-    def _block(self, role, rank):
-        b = self._blocks.get((role, rank))
+    def block(self, role, rank, travelling=False):
+        """The ``BlockSet`` of ``rank``'s rows as queries (``role`` "q") or keys ("k"):
+        all of them, or only those that travel in its packets (cached)."""
+        key = (role, rank, bool(travelling))
+        b = self._blocks.get(key)
         if b is None:
-            pos = self.layout.positions(rank)
-            b = self._blocks[(role, rank)] = (self.mask.query_block(pos) if role == "q"
-                                              else self.mask.key_block(pos))
+            if travelling:
+                idx, full = self.travelling_rows(role, rank), self.block(role, rank)
+                groups = [(heads, [Block(*(x[idx] for x in blk)) for blk in blocks], filters)
+                          for heads, blocks, filters in full.groups]
+            else:
+                pos = self.layout.positions(rank)
+                groups = self.mask.query_blocks(pos) if role == "q" else self.mask.key_blocks(pos)
+            b = self._blocks[key] = BlockSet(key, groups)
         return b
 
+    def pieces(self, qset, kset):
+        """What a block pair computes: (heads, query Block, key Block, block filter or None)
+        for every head group and term with a visible pair between the two (cached)."""
+        key = (qset.key, kset.key)
+        out = self._pieces.get(key)
+        if out is None:
+            out = []
+            for (heads, qbs, fs), (_, kbs, _) in zip(qset.groups, kset.groups):
+                for qb, kb, f in zip(qbs, kbs, fs):
+                    if len(qb.pos) and len(kb.pos) and (self.mask.dense or _count(qb, f, kb.pos) > 0):
+                        out.append((heads, qb, kb, f))
+            self._pieces[key] = out
+        return out
 
-@functools.lru_cache(maxsize=32)
-def _cached(layout_name, nranks, seqlen, lo, hi, cu_key):
-    cu = None if cu_key is None else np.frombuffer(cu_key, dtype=np.int64)
-    return Geometry(layout_name, nranks, seqlen, lo, hi, cu)
+
+def _count(qblock, filt, kpos):
+    """Visible pairs of a term's query block and the keys at ``kpos``."""
+    return count_visible(qblock, kpos) if filt is None else filt.count(qblock, kpos)
 
 
-def geometry(layout_name, nranks, seqlen, window, cu_seqlens=None):
-    """The (cached) geometry of a call; ``cu_seqlens`` are validated int64 offsets."""
-    return _cached(layout_name, nranks, int(seqlen), window.lo, window.hi, cache_key(cu_seqlens))
+_CACHE, _KEPT = OrderedDict(), 32
+
+
+def geometry(layout_name, nranks, seqlen, window, cu_seqlens=None, mask=None):
+    """The (cached) geometry of a call; ``cu_seqlens`` are validated int64 offsets, ``mask``
+    a checked ``burstmpi.masks`` mask or None."""
+    key = (layout_name, nranks, int(seqlen), window.lo, window.hi, cache_key(cu_seqlens),
+           None if mask is None else mask.spec())
+    geo = _CACHE.pop(key, None)
+    if geo is None:
+        geo = Geometry(layout_name, nranks, int(seqlen), window.lo, window.hi, cu_seqlens, mask)
+        if len(_CACHE) >= _KEPT:
+            _CACHE.popitem(last=False)
+    _CACHE[key] = geo
+    return geo

@@ -62,6 +62,10 @@ class Stats:
         return asdict(self)
 
 
+def _short(text, most=60):
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 def _delegate(name, doc):
     """A plan attribute that is its runtime's (settable: tests inject backends and
     transports)."""
@@ -82,6 +86,10 @@ class BurstAttention:
     window : (int, int), optional
         flash-attn sliding window ``(left, right)``: the query at global position i sees
         keys j with ``i - left <= j <= i + right``; -1 is unbounded.
+    mask : burstmpi.masks.Mask, optional
+        Any mask of ``burstmpi.masks`` (sinks, chunks, block-sparse, per-head, and their
+        ``&``/``|``), ANDed with ``causal``, ``window`` and the same-document rule. The ring
+        skips the steps, transfers, rows and tiles it leaves invisible.
     softmax_scale : float, optional
         Multiplies Q K^T; default ``1 / sqrt(head_dim)``.
     layout : {"contiguous", "zigzag", "striped"}
@@ -125,14 +133,15 @@ class BurstAttention:
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
                  layout="contiguous", bwd_comm="auto", backend="auto", transport="auto", device=None,
-                 runtime=None):
+                 runtime=None, mask=None):
         fn = "BurstAttention"
         check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale,
-                      layout=layout, bwd_comm=bwd_comm)
+                      layout=layout, bwd_comm=bwd_comm, mask=mask)
         self.runtime = runtime if runtime is not None else Runtime(
             fn, comm, backend=backend, transport=transport, device=device)
         self.causal, self.window_arg = bool(causal), None if window is None else tuple(window)
         self.window = Bounds(causal, window)
+        self.mask = mask
         self.softmax_scale, self.layout_name, self.bwd_comm = softmax_scale, layout, bwd_comm
         self.last_stats = Stats()
 
@@ -184,7 +193,8 @@ class BurstAttention:
         return (("causal", self.causal), ("window", self.window_arg),
                 ("softmax_scale", self.softmax_scale), ("layout", self.layout_name),
                 ("bwd_comm", self.bwd_comm), ("backend", rt.backend_name),
-                ("transport", rt.transport_name))
+                ("transport", rt.transport_name),
+                ("mask", None if self.mask is None else f"{_short(repr(self.mask))} #{self.mask.digest()}"))
 
     def _prepare(self, fn, arrays, check, cu_seqlens):
         """Convert and check the arguments, agree across ranks, set up per-shape state.
@@ -219,7 +229,9 @@ class BurstAttention:
             raise error
         self.last_stats.backend, self.last_stats.transport = self.backend.name, self.transport.name
         lay = global_layout(fn, "q.shape[1]", self.layout_name, self.nranks, lengths, cu)
-        self.geometry = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu)
+        if self.mask is not None:  # the same global length and heads everywhere: the same error
+            self.mask.check(fn, lay.seqlen, dims[2])
+        self.geometry = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu, self.mask)
         self.layout = self.geometry.layout
         d = dims[4]
         self.scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)

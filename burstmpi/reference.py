@@ -23,11 +23,13 @@ __all__ = ["visible", "forward", "backward", "rows", "key_rows", "random_problem
 ATOL = {"float64": 1e-13, "float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-3}
 
 
-def visible(qpos, kpos, causal=False, window=None, cu_seqlens=None):
+def visible(qpos, kpos, causal=False, window=None, cu_seqlens=None, mask=None, heads=1, seqlen=None):
     """Boolean (len(qpos), len(kpos)) mask of the keys each query sees: inside the window
-    and, with ``cu_seqlens``, inside the query's own document. Written from the
-    definitions (document ids compared, window offsets tested), independently of the
-    interval form the library uses."""
+    and, with ``cu_seqlens``, inside the query's own document; with a ``burstmpi.masks``
+    ``mask`` (on a sequence of ``seqlen`` tokens) also what it lets through, and for a
+    per-head mask one such matrix per head: (heads, len(qpos), len(kpos)). Written from
+    the definitions (document ids compared, window offsets tested, the mask's own
+    ``visible``), independently of the interval form the library uses."""
     w = Bounds(causal, window)
     d = np.asarray(kpos)[None, :] - np.asarray(qpos)[:, None]
     seen = (d >= -w.lo) & (d <= w.hi)
@@ -35,6 +37,11 @@ def visible(qpos, kpos, causal=False, window=None, cu_seqlens=None):
         cu = np.asarray(cu_seqlens)
         doc = lambda p: np.searchsorted(cu, np.asarray(p), side="right")
         seen &= doc(qpos)[:, None] == doc(kpos)[None, :]
+    if mask is not None:
+        if mask.heads is None:
+            seen = seen & mask.visible(qpos, kpos, seqlen, cu_seqlens)
+        else:
+            seen = seen[None] & np.stack([mask.visible(qpos, kpos, seqlen, cu_seqlens, h) for h in range(heads)])
     return seen
 
 
@@ -56,7 +63,7 @@ def _expand(x, heads):
 
 
 def forward(q, k, v, *, causal=False, window=None, softmax_scale=None, precision="float64",
-            q_rows=None, cu_seqlens=None):
+            q_rows=None, cu_seqlens=None, mask=None):
     """Return (out, lse) for global q (B, N, Z, d), k, v (B, N, Zkv, d|dv).
 
     ``q_rows`` restricts the queries to those global positions (for spot checks).
@@ -68,8 +75,7 @@ def forward(q, k, v, *, causal=False, window=None, softmax_scale=None, precision
     qh = np.asarray(q[:, rows], dtype=ct).transpose(0, 2, 1, 3)
     kh, vh = _expand(np.asarray(k, dtype=ct), Z), _expand(np.asarray(v, dtype=ct), Z)
     s = rnd((qh @ kh.swapaxes(-1, -2)) * ct(scale))
-    mask = visible(rows, np.arange(N), causal, window, cu_seqlens)
-    s = np.where(mask, s, -np.inf)
+    s = np.where(visible(rows, np.arange(N), causal, window, cu_seqlens, mask, Z, N), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
     p = np.exp(s - m)
@@ -83,7 +89,7 @@ def forward(q, k, v, *, causal=False, window=None, softmax_scale=None, precision
 
 
 def backward(dout, q, k, v, *, causal=False, window=None, softmax_scale=None, precision="float64",
-             cu_seqlens=None):
+             cu_seqlens=None, mask=None):
     """Return (dq, dk, dv) of dense attention for global arrays."""
     B, N, Z, d = q.shape
     Zkv = k.shape[2]
@@ -93,7 +99,7 @@ def backward(dout, q, k, v, *, causal=False, window=None, softmax_scale=None, pr
     kh, vh = _expand(np.asarray(k, dtype=ct), Z), _expand(np.asarray(v, dtype=ct), Z)
     doh = np.asarray(dout, dtype=ct).transpose(0, 2, 1, 3)
     s = (qh @ kh.swapaxes(-1, -2)) * ct(scale)
-    s = np.where(visible(np.arange(N), np.arange(N), causal, window, cu_seqlens), s, -np.inf)
+    s = np.where(visible(np.arange(N), np.arange(N), causal, window, cu_seqlens, mask, Z, N), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0))
     l = p.sum(axis=-1, keepdims=True)
@@ -119,7 +125,7 @@ def _chunks(n):
 
 
 def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softmax_scale=None,
-         cu_seqlens=None):
+         cu_seqlens=None, mask=None):
     """Float64 (out, lse, dq) of a few query rows at global ``positions`` of the sequence.
 
     ``q_rows``/``dout_rows`` are (B, R, Z, d|dv) for those rows only; ``k``, ``v`` are
@@ -136,7 +142,8 @@ def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softm
         kh = _expand(np.asarray(k[:, a:b], dtype=np.float64), Z)
         vh = _expand(np.asarray(v[:, a:b], dtype=np.float64), Z)
         s = (qh @ kh.swapaxes(-1, -2)) * scale
-        return np.where(visible(positions, np.arange(a, b), causal, window, cu_seqlens), s, -np.inf), kh, vh
+        seen = visible(positions, np.arange(a, b), causal, window, cu_seqlens, mask, Z, N)
+        return np.where(seen, s, -np.inf), kh, vh
 
     m = np.full(qh.shape[:-1] + (1,), -np.inf)
     for a, b in _chunks(N):
@@ -159,7 +166,7 @@ def rows(q_rows, k, v, dout_rows, positions, *, causal=False, window=None, softm
 
 
 def key_rows(q, k_rows, v_rows, dout, lse, delta, positions, *, causal=False, window=None,
-             softmax_scale=None, cu_seqlens=None):
+             softmax_scale=None, cu_seqlens=None, mask=None):
     """Float64 (dk, dv) of a few key rows at global ``positions``, given every query's
     ``lse`` and ``delta`` = rowsum(dout * out), both (B, Z, N).
 
@@ -176,7 +183,7 @@ def key_rows(q, k_rows, v_rows, dout, lse, delta, positions, *, causal=False, wi
         qh = np.asarray(q[:, a:b], dtype=np.float64).transpose(0, 2, 1, 3)
         doh = np.asarray(dout[:, a:b], dtype=np.float64).transpose(0, 2, 1, 3)
         s = (qh @ kh.swapaxes(-1, -2)) * scale
-        s = np.where(visible(np.arange(a, b), positions, causal, window, cu_seqlens), s, -np.inf)
+        s = np.where(visible(np.arange(a, b), positions, causal, window, cu_seqlens, mask, Z, N), s, -np.inf)
         lse_b = np.asarray(lse[:, :, a:b], dtype=np.float64)[..., None]
         p = np.exp(s - np.where(np.isfinite(lse_b), lse_b, np.inf))
         dv = dv + p.swapaxes(-1, -2) @ doh

@@ -24,6 +24,7 @@ only ever see those rows, so padding costs no compute and never enters a result.
 own step always computes on its full local arrays.
 """
 
+import functools
 import time
 
 import numpy as np
@@ -32,7 +33,7 @@ from .comm import Channel, PartialChannel, field_bytes
 
 __all__ = ["forward", "backward", "packet_fields", "packet_dims", "nbytes", "bytes_per_step",
            "Timer", "fill_packet", "key_operands", "finish_forward", "backward_operands",
-           "finish_gradients"]
+           "finish_gradients", "fwd_pieces", "bwd_pieces", "head_slices"]
 
 TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
 
@@ -154,6 +155,56 @@ def packet_rows(fields, n):
     return {name: view[:, :, :n] for name, view in fields.items()}
 
 
+@functools.lru_cache(maxsize=256)
+def head_slices(heads, Zkv, g):
+    """(KV heads, heads within the group) slices covering the query heads ``heads`` (None:
+    all): whole groups where a KV head's every query head is in, single heads elsewhere,
+    and runs of consecutive KV heads with the same selection merged into one slice.
+    Slicing views costs no copy, and K/V are never repeated per head."""
+    if heads is None:
+        return ((slice(None), slice(None)),)
+    by_kv = {}
+    for h in heads:
+        by_kv.setdefault(h // g, []).append(h % g)
+    items = []
+    for z in sorted(by_kv):
+        gis = sorted(by_kv[z])
+        items += [(z, slice(None))] if len(gis) == g else [(z, slice(gi, gi + 1)) for gi in gis]
+    items.sort(key=lambda it: ((it[1].start or 0), it[0]))
+    out = []
+    for z, gs in items:
+        if out and out[-1][1] == gs and out[-1][0].stop == z:
+            out[-1] = (slice(out[-1][0].start, z + 1), gs)
+        else:
+            out.append((slice(z, z + 1), gs))
+    return tuple(out)
+
+
+def fwd_pieces(be, q, k, v, state, pieces, scale, poll=None):
+    """Merge a block pair into the running state, piece by piece (``Geometry.pieces``:
+    a head group's term of the mask, with its block-sparse filter if any). The terms are
+    disjoint, so merging each one's keys into the same online softmax is attention over
+    their union."""
+    acc, m, l = state
+    Zkv, g = q.shape[1], q.shape[3]
+    for heads, qb, kb, blocks in pieces:
+        for zs, gs in head_slices(heads, Zkv, g):
+            be.fwd_block(q[:, zs, :, gs], k[:, zs], v[:, zs], (acc[:, zs, :, gs], m[:, zs, :, gs], l[:, zs, :, gs]),
+                         qb, kb, scale, poll=poll, blocks=blocks)
+
+
+def bwd_pieces(be, q, do, D, lse, k, v, dq, dk, dv, pieces, scale, poll=None):
+    """Add a block pair's gradients, piece by piece (as ``fwd_pieces``): with P rebuilt
+    from the global lse, each term's contribution is its own and they add."""
+    Zkv, g = q.shape[1], q.shape[3]
+    cut_q = lambda x, zs, gs: None if x is None else x[:, zs, :, gs]
+    cut_k = lambda x, zs: None if x is None else x[:, zs]
+    for heads, qb, kb, blocks in pieces:
+        for zs, gs in head_slices(heads, Zkv, g):
+            be.bwd_block(q[:, zs, :, gs], do[:, zs, :, gs], D[:, zs, :, gs], lse[:, zs, :, gs], k[:, zs], v[:, zs],
+                         cut_q(dq, zs, gs), cut_k(dk, zs), cut_k(dv, zs), qb, kb, scale, poll=poll, blocks=blocks)
+
+
 def key_operands(k, v):
     """The key side {k, v} in the working layout (B, Zkv, C, d): views, no copies."""
     return {"k": k.transpose(0, 2, 1, 3), "v": v.transpose(0, 2, 1, 3)}
@@ -213,17 +264,17 @@ def forward(plan, q, k, v, dims):
             home_k = packet_rows(chan.current, C)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
-    qb = geo.query_block(plan.rank)
+    qb = geo.block("q", plan.rank)
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]
     for t in _steps(plan, chan, sched, timer):
         if sched.compute[t]:
             owner = sched.owners[t]
             if owner == plan.rank:
-                ks, kb = home_k, geo.key_block(owner)
+                ks, kb = home_k, geo.block("k", owner)
             else:
                 ks = packet_rows(chan.current, len(geo.travelling_rows("k", owner)))
-                kb = geo.travelling_block("k", owner)
-            timer.run("compute", be.fwd_block, q_rows, ks["k"], ks["v"], state, qb, kb, plan.scale,
+                kb = geo.block("k", owner, travelling=True)
+            timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), plan.scale,
                       poll=chan.progress)
     out, lse = finish_forward(be, state, q.dtype, dims)
     pairs = sum(geo.pairs(plan.rank, o) for o in owners)
@@ -262,21 +313,21 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     for t in _steps(plan, chan, sched, timer, partials):
         owner = sched.owners[t]
         if owner == plan.rank:  # our own step: the full local arrays
-            n, travelling, block = C, home, (geo.query_block if mode == "burst" else geo.key_block)(owner)
+            n, travelling, block = C, home, geo.block(role, owner)
         else:  # the packet's valid rows; the rest is padding
             n = len(geo.travelling_rows(role, owner))
-            travelling, block = packet_rows(chan.current, n), geo.travelling_block(role, owner)
+            travelling, block = packet_rows(chan.current, n), geo.block(role, owner, travelling=True)
         if mode == "burst":
-            qs, ks, qb, kb = travelling, home_k, block, geo.key_block(plan.rank)
+            qs, ks, qb, kb = travelling, home_k, block, geo.block("k", plan.rank)
         else:
-            qs, ks, qb, kb = home_q, travelling, geo.query_block(plan.rank), block
+            qs, ks, qb, kb = home_q, travelling, geo.block("q", plan.rank), block
         target = dict(grads)
         if t > 0 and sched.partial_send[t]:
             target.update(packet_rows(part.send_buffer(), n))
         if sched.compute[t]:
-            timer.run("compute", be.bwd_block, qs["q"], qs["do"], qs["D"], qs["lse"],
+            timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"],
                       ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
-                      qb, kb, plan.scale, poll=lambda: any([chan.progress(), part.progress()]))
+                      geo.pieces(qb, kb), plan.scale, poll=lambda: any([chan.progress(), part.progress()]))
         if t > 0 and sched.partial_recv[t]:
             for name, view in timer.run("wait", part.received).items():
                 target[name] += view[:, :, :n]

@@ -50,7 +50,8 @@ def pair_matrix(layout, mask):
 def interaction_matrix(layout, mask):
     """A[qi, kj]: does some query of rank qi see some key of rank kj? (= pair_matrix > 0)
 
-    Cheaper than counting: the visible intervals of a rank's queries (both ends
+    ``mask``: an ``intervals.Mask`` or a lowered mask (``masks.terms.Lowered``), term by
+    term. Cheaper than counting: the visible intervals of a rank's queries (both ends
     non-decreasing) merge into a few disjoint ranges of global positions (about one per
     document the rank holds), and a rank is needed iff it owns a position in one of them:
     binary searches per range instead of per query."""
@@ -59,16 +60,23 @@ def interaction_matrix(layout, mask):
         return np.outer(layout.counts > 0, layout.counts > 0)
     a = np.zeros((P, P), dtype=bool)
     for qi in range(P):
-        qb = mask.query_block(layout.positions(qi))
-        if len(qb.pos) == 0:
+        pos = layout.positions(qi)
+        if len(pos) == 0:
             continue
-        # A new range starts where a row's interval begins past the previous row's end.
-        new = np.concatenate([[True], qb.first[1:] > qb.last[:-1] + 1])
-        starts, ends = qb.first[new], qb.last[np.concatenate([new[1:], [True]])]
-        for kj in range(P):
-            pos = layout.positions(kj)
-            a[qi, kj] = bool((np.searchsorted(pos, ends, side="right")
-                              > np.searchsorted(pos, starts, side="left")).any())
+        for qb, filt in mask.query_terms(pos):  # a mask's disjoint terms: the union of what they see
+            if filt is not None:  # a block-sparse term: count its pairs (masks.blocks)
+                for kj in range(P):
+                    a[qi, kj] |= not a[qi, kj] and filt.count(qb, layout.positions(kj)) > 0
+                continue
+            # A new range starts where a row's interval begins past the previous row's end
+            # (an empty row, first > last, sits where its neighbours' ends allow).
+            new = np.concatenate([[True], qb.first[1:] > qb.last[:-1] + 1])
+            starts, ends = qb.first[new], qb.last[np.concatenate([new[1:], [True]])]
+            for kj in range(P):
+                if not a[qi, kj]:
+                    kpos = layout.positions(kj)
+                    a[qi, kj] = bool((np.searchsorted(kpos, ends, side="right")
+                                      > np.searchsorted(kpos, starts, side="left")).any())
     return a
 
 

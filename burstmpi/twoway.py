@@ -25,8 +25,8 @@ both directions reach the same neighbour.
 import time
 
 from .comm import Channel
-from .ring import (Timer, _rows, backward_operands, fill_packet, finish_forward, finish_gradients,
-                   key_operands, packet_dims, packet_fields, packet_rows)
+from .ring import (Timer, _rows, backward_operands, bwd_pieces, fill_packet, finish_forward, finish_gradients,
+                   fwd_pieces, key_operands, packet_dims, packet_fields, packet_rows)
 
 __all__ = ["arcs", "TwoWaySchedule", "two_way_bytes", "forward", "backward"]
 
@@ -112,24 +112,25 @@ def forward(plan, q, k, v, dims):
         fill_packet(chan, home_k, geo.travelling_rows("k", plan.rank), be.xp)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
-    qb = geo.query_block(plan.rank)
+    qb = geo.block("q", plan.rank)
     owners = []
     poll = lambda: any([up.progress(), down.progress()])
 
     def block(ks, kb, owner):
         owners.append(owner)
-        timer.run("compute", be.fwd_block, q_rows, ks["k"], ks["v"], state, qb, kb, plan.scale, poll=poll)
+        timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), plan.scale,
+                  poll=poll)
 
     def compute(t):
         if t == 0:
             if sched.local:
-                block(home_k, geo.key_block(plan.rank), plan.rank)
+                block(home_k, geo.block("k", plan.rank), plan.rank)
             return
         for chan, dplan in ((up, sched.up), (down, sched.down)):
             if dplan.compute[t]:
                 o = dplan.owners[t]
                 block(packet_rows(chan.current, len(geo.travelling_rows("k", o))),
-                      geo.travelling_block("k", o), o)
+                      geo.block("k", o, travelling=True), o)
 
     _run(plan, sched.steps, [(up, sched.up), (down, sched.down)], timer, compute)
     out, lse = finish_forward(be, state, q.dtype, dims)
@@ -157,14 +158,14 @@ def backward(plan, dout, q, k, v, out, lse, dims):
         for chan in chans:
             fill_packet(chan, home, geo.travelling_rows(role, plan.rank), be.xp)
     rows = lambda chan, role, o: packet_rows(chan.current, len(geo.travelling_rows(role, o)))
-    qb_home, kb_home = geo.query_block(plan.rank), geo.key_block(plan.rank)
+    qb_home, kb_home = geo.block("q", plan.rank), geo.block("k", plan.rank)
     owners, pairs = [], 0
     chans = (kvu, kvd, qu, qd)
     poll = lambda: any([c.progress() for c in chans])
 
     def run(qs, ks, dq, dk, dv_, qb, kb):
-        timer.run("compute", be.bwd_block, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
-                  dq, dk, dv_, qb, kb, plan.scale, poll=poll)
+        timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
+                  dq, dk, dv_, geo.pieces(qb, kb), plan.scale, poll=poll)
 
     def compute(t):
         nonlocal pairs
@@ -180,14 +181,14 @@ def backward(plan, dout, q, k, v, out, lse, dims):
                 owners.append(o)
                 pairs += geo.pairs(plan.rank, o)
                 run(home_q, rows(chan, "k", o), grads["dq"], None, None, qb_home,
-                    geo.travelling_block("k", o))
+                    geo.block("k", o, travelling=True))
         for chan, dplan in ((qu, q_s.up), (qd, q_s.down)):
             if dplan.compute[t]:  # their queries: dK, dV of our keys
                 o = dplan.owners[t]
                 owners.append(o)
                 pairs += geo.pairs(o, plan.rank)
                 run(rows(chan, "q", o), home_k, None, grads["dk"], grads["dv"],
-                    geo.travelling_block("q", o), kb_home)
+                    geo.block("q", o, travelling=True), kb_home)
 
     _run(plan, steps, [(kvu, kv_s.up), (kvd, kv_s.down), (qu, q_s.up), (qd, q_s.down)], timer, compute)
     dq, dk, dvv = finish_gradients(be, grads, q.dtype, plan.scale)

@@ -14,8 +14,9 @@ import zlib
 import numpy as np
 
 from .layout import LAYOUTS
+from .masks.patterns import Mask
 
-__all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "check_window", "check_options",
+__all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "check_window", "check_mask", "check_options",
            "check_forward", "check_backward", "check_cu_seqlens", "check_lengths", "check_out", "agree",
            "report", "checksum",
            "fingerprint", "global_layout"]
@@ -39,7 +40,16 @@ def check_window(fn, window):
                          f"(-1 = unbounded), got {window!r}")
 
 
-def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto"):
+def check_mask(fn, mask):
+    """``mask`` must be None or a ``burstmpi.masks`` mask."""
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError(f"{fn}: mask: expected None or a burstmpi.masks mask (Causal(), Window(left, right), "
+                        f"Sinks(n), Chunked(size), BlockSparse(blocks, block_size), PerHead([...]), combined "
+                        f"with & and |), got {type(mask).__name__}: {mask!r}"[:400])
+
+
+def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto", mask=None):
+    check_mask(fn, mask)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{fn}: causal: expected a bool, got {causal!r}")
     check_window(fn, window)

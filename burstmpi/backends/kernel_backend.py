@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import kernels
 from ..interop import bfloat16
+from ..masks.intervals import Block
 from ..validate import check_out
 
 __all__ = ["KernelBackend"]
@@ -47,6 +48,16 @@ def _dtype_name(dtype):
     if dtype in (np.float16, np.float32):
         return dtype.name
     raise ValueError(f"backend 'cuda': dtype: expected float16, bfloat16 or float32, got {dtype}")
+
+
+def _rectangles(blocks, qb, kb):
+    """A block-sparse filter as plain interval launches: (query rows, key rows, their
+    Blocks) of each rectangle of set blocks (``masks.blocks.BlockFilter.rectangles``). The
+    kernels take one interval per row; a native bitmap in cuda/mask.cuh would save the
+    launches (one per query block row and run of set key blocks)."""
+    for q0, q1, k0, k1 in blocks.rectangles(qb, kb):
+        qs, ks = slice(q0, q1), slice(k0, k1)
+        yield qs, ks, Block(*(x[qs] for x in qb)), Block(*(x[ks] for x in kb))
 
 
 class KernelBackend:
@@ -151,9 +162,18 @@ class KernelBackend:
         return {"dq": xp.zeros((B, Zkv, C, g, d), acc), "dk": xp.zeros((B, Zkv, C, d), acc),
                 "dv": xp.zeros((B, Zkv, C, dv), acc)}
 
-    def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
+    def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None, blocks=None):
         """Merge key block ``k``, ``v`` into the state of queries ``q``; ``qb``, ``kb``
-        are the masks.intervals.Block of the query and the key rows."""
+        are the masks.intervals.Block of the query and the key rows; ``blocks``, a
+        block-sparse filter on top (``_rectangles``)."""
+        if blocks is not None:
+            acc, m, l = state
+            for qs, ks, qbr, kbr in _rectangles(blocks, qb, kb):
+                self.fwd_block(q[:, :, qs], k[:, :, ks], v[:, :, ks], (acc[:, :, qs], m[:, :, qs], l[:, :, qs]),
+                               qbr, kbr, scale)
+            if poll is not None:
+                poll()
+            return
         acc, m, l = state
         B, Zkv, C, g, d = q.shape
         if self._rows("fwd_block", qb, kb, C, k.shape[2]):  # else no pair: the state stays
@@ -204,10 +224,19 @@ class KernelBackend:
             batch=B, c=C, heads=Z, kv_heads=Zkv))
         return D
 
-    def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qb, kb, scale, poll=None):
+    def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qb, kb, scale, poll=None, blocks=None):
         """Add one block pair's gradients to dq (unscaled), dk and dv; ``qb``, ``kb`` are
-        the masks.intervals.Block of the query and the key rows. ``dq=None`` skips the dQ kernel and
-        ``dk=dv=None`` the dK/dV one (the two-way ring computes each on its own rank)."""
+        the masks.intervals.Block of the query and the key rows (``blocks`` as in
+        ``fwd_block``). ``dq=None`` skips the dQ kernel and ``dk=dv=None`` the dK/dV one (the
+        two-way ring computes each on its own rank)."""
+        if blocks is not None:
+            cut = lambda x, sl: None if x is None else x[:, :, sl]
+            for qs, ks, qbr, kbr in _rectangles(blocks, qb, kb):
+                self.bwd_block(q[:, :, qs], do[:, :, qs], D[:, :, qs], lse[:, :, qs], k[:, :, ks], v[:, :, ks],
+                               cut(dq, qs), cut(dk, ks), cut(dv, ks), qbr, kbr, scale)
+            if poll is not None:
+                poll()
+            return
         B, Zkv, C, g, d = q.shape
         if self._rows("bwd_block", qb, kb, C, k.shape[2]):  # else no pair: nothing to add
             common = dict(q=self._grouped(q), k=self._keyed(k), v=self._keyed(v),

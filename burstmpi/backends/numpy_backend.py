@@ -41,14 +41,16 @@ from .workspace import OutputPool, Workspace
 __all__ = ["NumpyBackend"]
 
 
-def _tiles(block, size):
+def _tiles(block, size, merge=True):
     """Tiles of at most ``size`` rows, aligned to where the mask's structure changes.
 
     Rows are cut into pieces where the position spacing jumps (a zigzag rank's two
-    chunks, far apart) and where a document starts. A long piece is tiled from its own
-    first row, as if it were alone, so the classification finds its FULL and EMPTY tiles
-    instead of tiles straddling two documents; pieces shorter than a tile (short
-    documents) share one, masked per element, rather than run as many tiny GEMMs.
+    chunks, far apart) and where a document (or a chunk, or a block of a block-sparse
+    mask: ``Block.start``) starts. A long piece is tiled from its own first row, as if it
+    were alone, so the classification finds its FULL and EMPTY tiles instead of tiles
+    straddling two documents; pieces shorter than a tile (short documents) share one,
+    masked per element, rather than run as many tiny GEMMs, unless ``merge`` is false (a
+    block-sparse filter needs every tile inside one block).
     """
     n = len(block.pos)
     if n == 0:
@@ -62,7 +64,7 @@ def _tiles(block, size):
     bounds = np.nonzero(cut)[0].tolist() + [n]
     tiles, open_tile = [], None  # open_tile: a short tile that later short pieces may join
     for a, b in zip(bounds, bounds[1:]):
-        if open_tile is not None and b - open_tile[0] <= size:
+        if merge and open_tile is not None and b - open_tile[0] <= size:
             open_tile = (open_tile[0], b)
             continue
         if open_tile is not None:
@@ -83,7 +85,7 @@ def _extremes(pos, tiles):
     return np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)
 
 
-def _tile_plan(qb, kb, tq, tk):
+def _tile_plan(qb, kb, tq, tk, blocks=None):
     """Rows of (r0, r1, tiles) without empty pairs: query tile r0..r1-1 and the key tiles
     it sees, as the tile loops take them (``tile_ops.fwd_row``): tiles = (c0, c1, iv, lo,
     hi), key tile t being columns c0[t]..c1[t]-1, iv[t] -1 where every row sees it whole,
@@ -91,14 +93,19 @@ def _tile_plan(qb, kb, tq, tk):
 
     ``qb``, ``kb`` are the ``masks.intervals.Block`` of the query and key rows; positions increase
     along both sides, so a tile's first and last rows bound its visible key intervals,
-    and what a query token sees of a key tile is one run of its columns."""
+    and what a query token sees of a key tile is one run of its columns. ``blocks`` (a
+    ``masks.blocks.BlockFilter``): tiles stay inside blocks (``Block.start`` cuts them
+    there) and the pairs of unset blocks are EMPTY."""
     if len(qb.pos) == 0 or len(kb.pos) == 0:
         return []
     kpos = kb.pos
-    qt, kt = _tiles(qb, tq), _tiles(kb, tk)
+    merge = blocks is None
+    qt, kt = _tiles(qb, tq, merge), _tiles(kb, tk, merge)
     r0s, r1s = np.array([a for a, _ in qt]), np.array([b - 1 for _, b in qt])
     kmin, kmax = _extremes(kpos, kt)
     cls = classify_tiles(qb.first[r0s], qb.first[r1s], qb.last[r0s], qb.last[r1s], kmin, kmax)
+    if blocks is not None:
+        cls[~blocks.tile_visible(qb.pos[r0s], kmin)] = EMPTY
     bounds = np.array(kt, np.int64).reshape(-1, 2)
     plan = []
     for i, (r0, r1) in enumerate(qt):
@@ -267,7 +274,7 @@ class NumpyBackend:
     def acc_dtype(dtype):
         return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
-    def _plan(self, g, qb, kb):
+    def _plan(self, g, qb, kb, blocks=None):
         tq, tk = max(1, self.tile_q // g), self.tile_k
         # A narrow band of visible keys (a sliding window, or short documents) leaves most
         # of a large tile masked away: shrink the tiles towards half the widest query's
@@ -276,7 +283,7 @@ class NumpyBackend:
         if width < 2 * tk:
             t = max(64, 1 << int(width // 2).bit_length())
             tq, tk = min(tq, max(1, t // g)), min(tk, t)
-        return _tile_plan(qb, kb, tq, tk)
+        return _tile_plan(qb, kb, tq, tk, blocks)
 
     # -- forward ----------------------------------------------------------------------
 
@@ -335,10 +342,11 @@ class NumpyBackend:
 
         self._by_tokens(src, part)
 
-    def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None):
+    def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None, blocks=None):
         """Merge attention of queries ``q`` over the block (k, v) into ``state``.
 
-        ``qb``, ``kb``: the ``masks.intervals.Block`` of the query and key rows. One work item is a
+        ``qb``, ``kb``: the ``masks.intervals.Block`` of the query and key rows; ``blocks``:
+        a block-sparse mask's ``masks.blocks.BlockFilter`` on top of them. One work item is a
         query tile of one (batch, KV head) against every key tile it sees, on the workers;
         ``poll`` runs meanwhile."""
         acc, m, l = state
@@ -346,7 +354,7 @@ class NumpyBackend:
         cd = acc.dtype
         ops = self._ops_for(cd)
         k, v = self._blocks(k, v, cd)
-        plan = self._plan(g, qb, kb)
+        plan = self._plan(g, qb, kb, blocks)
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
 
         def item(it, scratch):
@@ -413,7 +421,7 @@ class NumpyBackend:
         self._spans(C, max(1, (1 << 18) // max(1, B * Z * dv)), part)
         return D.reshape(B, C, Zkv, Z // Zkv).transpose(0, 2, 1, 3)
 
-    def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qb, kb, scale, poll=None):
+    def bwd_block(self, q, do, D, lse, k, v, dq, dk, dv, qb, kb, scale, poll=None, blocks=None):
         """Accumulate the gradients of one (query block, key block) pair.
 
         ``lse`` must hold +inf (not -inf) for rows that see no key, so that
@@ -434,7 +442,7 @@ class NumpyBackend:
         ops = self._ops_for(cd)
         k, v = self._blocks(k, v, cd)
         Ck = k.shape[2]
-        plan = self._plan(g, qb, kb)
+        plan = self._plan(g, qb, kb, blocks)
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
         count = -(-2 * self.workers.n // (B * Zkv)) if self.workers.n > 1 else 1
         bands = _bands(plan, count)

@@ -1,8 +1,13 @@
-"""Which keys each query sees.
+"""Which keys each query sees: masks described once, in global positions.
 
-Today every mask is a sliding window (``causal=``, ``window=``) on global positions inside
-packed documents (``cu_seqlens=``); ``burstmpi.masks.intervals`` holds its form as one
-visible interval per query and the tile logic that the ring's schedule, the CPU tile loops
-and the CUDA kernels share. The module docstring there says why one interval per row
-carries everything.
+``Causal()``, ``Window(left, right)``, ``Sinks(n)``, ``Chunked(size)``,
+``BlockSparse(blocks, block_size)`` and ``PerHead([...])``, combined with ``&`` and ``|``,
+go to the attention functions as ``mask=`` (``burstmpi.masks.patterns`` defines each).
+Underneath, a mask is lowered to disjoint monotone intervals per row
+(``burstmpi.masks.terms``), the form in which the ring's schedule, the CPU tile loops and
+the CUDA kernels skip what no query sees (``burstmpi.masks.intervals``).
 """
+
+from .patterns import BlockSparse, Causal, Chunked, Mask, PerHead, Sinks, Window
+
+__all__ = ["Mask", "Causal", "Window", "Sinks", "Chunked", "BlockSparse", "PerHead"]

@@ -115,6 +115,11 @@ class Mask:
         """A key block: each row is seen by the queries in [first, last]."""
         return self._block(pos, self.window.hi, self.window.lo)
 
+    def query_terms(self, pos):
+        """The query block at ``pos`` as a list of (term, block filter): one interval, no
+        filter; the form ``schedule.interaction_matrix`` takes from any mask."""
+        return [(self.query_block(pos), None)]
+
     def visible(self, qpos, kpos):
         """Boolean (len(qpos), len(kpos)) mask of visible pairs (quadratic: tests only)."""
         qb = self.query_block(qpos)

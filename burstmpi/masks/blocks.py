@@ -1,0 +1,104 @@
+"""A block-sparse bitmap riding on an interval term: counted, planned and applied per tile.
+
+``BlockFilter(bs, plane)``: query i may see key j only if ``plane[i // bs, j // bs]``, on
+top of its term's interval (``terms``). It is not an interval, so it is never turned into
+one: a diagonal-by-diagonal form costs a term per diagonal, and a vertical stripe (a
+global token, a strided head) crosses every diagonal. Instead every question the ring
+asks of a term is answered with the bitmap in O(blocks):
+
+* ``row_counts``: how many keys of a sorted set each row sees (pairs, step skipping, the
+  travelling rows), by prefix sums over each block row of the bitmap: for block row b,
+  ``G_b(x)`` = keys at or before x in set blocks of row b, so a row's count is
+  ``G_b(last) - G_b(first - 1)``, two lookups;
+* ``tile_visible``: whether a (query tile, key tile) pair of tiles that each lie inside one
+  block is set: the CPU tile loops cut their tiles at block boundaries and drop the unset
+  pairs, so a set block costs what a dense tile does and an unset one nothing;
+* ``rectangles``: the (query rows, key rows) ranges of set blocks, merged along key runs,
+  for backends that take a plain interval mask only (the CUDA kernels launch once per
+  rectangle).
+"""
+
+import numpy as np
+
+__all__ = ["BlockFilter"]
+
+_CHUNK = 1 << 22  # elements of prefix sums held at once
+
+
+class BlockFilter:
+    """``plane[i // bs, j // bs]``: may query i see key j (``plane`` global, (nq, nk) bool)."""
+
+    def __init__(self, bs, plane):
+        self.bs, self.plane = int(bs), np.asarray(plane, dtype=bool)
+
+    def row_counts(self, block, other, transpose=False):
+        """For each row of ``block`` (an ``intervals.Block``), how many positions of the
+        sorted ``other`` lie in its interval and in a set block of its block row (the
+        bitmap read transposed when the rows are keys and ``other`` queries)."""
+        plane = self.plane.T if transpose else self.plane
+        bs, n = self.bs, len(block.pos)
+        out = np.zeros(n, np.int64)
+        if n == 0 or len(other) == 0:
+            return out
+        other = np.asarray(other, np.int64)
+        ncol = plane.shape[1]
+        per_block = np.bincount(np.minimum(other // bs, ncol - 1), minlength=ncol)
+        rows_b = np.minimum(block.pos // bs, plane.shape[0] - 1)
+        ub, inv = np.unique(rows_b, return_inverse=True)
+        lo, hi = np.maximum(block.first, 0), np.minimum(block.last, ncol * bs - 1)
+        step = max(1, _CHUNK // (ncol + 1))
+        for a in range(0, len(ub), step):  # block rows in chunks: prefix sums stay small
+            sel = (inv >= a) & (inv < a + step)
+            rows = np.nonzero(sel)[0]
+            prefix = np.zeros((min(step, len(ub) - a), ncol + 1), np.int64)
+            np.cumsum(plane[ub[a:a + step]] * per_block, axis=1, out=prefix[:, 1:])
+            r = inv[rows] - a
+
+            def G(x):  # keys of ``other`` at or before x in set blocks of each row's block row
+                c = np.clip(x // bs, 0, ncol - 1)
+                inside = np.searchsorted(other, x, "right") - np.searchsorted(other, c * bs, "left")
+                return np.where(x < 0, 0, prefix[r, c] + plane[ub[a:a + step]][r, c] * np.maximum(inside, 0))
+
+            ok = hi[rows] >= lo[rows]
+            out[rows] = np.where(ok, G(hi[rows]) - G(lo[rows] - 1), 0)
+        return out
+
+    def count(self, qblock, kpos):
+        """Visible pairs of a query block and the keys at sorted ``kpos``."""
+        return int(self.row_counts(qblock, kpos).sum())
+
+    def needed(self, block, own, seqlen, role):
+        """Rows of ``block`` (``role`` "q" or "k") that see, or are seen by, a position that
+        ``own`` (the rank's sorted positions) does not hold."""
+        every = np.arange(seqlen, dtype=np.int64)
+        t = role == "k"
+        return self.row_counts(block, every, t) > self.row_counts(block, own, t)
+
+    def tile_visible(self, qpos, kpos):
+        """Set bits for tiles whose first rows are at ``qpos`` and first columns at ``kpos``
+        (each tile inside one block): a (len(qpos), len(kpos)) bool array."""
+        return self.plane[np.asarray(qpos) // self.bs][:, np.asarray(kpos) // self.bs]
+
+    def rectangles(self, qblock, kblock):
+        """(q0, q1, k0, k1) local row ranges whose pairs lie in set blocks: per query block
+        row, the key rows of its set blocks, adjacent ranges merged."""
+        bs = self.bs
+        if not len(qblock.pos) or not len(kblock.pos):
+            return []
+        qb, kb = qblock.pos // bs, kblock.pos // bs
+        qcut = np.flatnonzero(np.diff(qb)) + 1
+        kcut = np.flatnonzero(np.diff(kb)) + 1
+        q_starts, q_ends = np.r_[0, qcut], np.r_[qcut, len(qb)]
+        k_starts, k_ends = np.r_[0, kcut], np.r_[kcut, len(kb)]
+        k_blocks = kb[k_starts]
+        out = []
+        for a, b in zip(q_starts, q_ends):
+            on = self.plane[qb[a], k_blocks]
+            if not on.any():
+                continue
+            idx = np.flatnonzero(on)
+            # runs of consecutive key groups (adjacent local rows)
+            brk = np.flatnonzero(np.diff(idx) != 1) + 1
+            for run in np.split(idx, brk):
+                out.append((int(a), int(b), int(k_starts[run[0]]), int(k_ends[run[-1]])))
+        return out
