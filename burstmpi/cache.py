@@ -25,6 +25,14 @@ its slots as a ring buffer and reuses the slot of its oldest token once no futur
 can see it, so ``capacity`` need only cover the window plus the tokens of one call. A
 windowed prefill sends the live tail of the prompt round-robin over the ranks (one
 all-to-all of at most ``left`` tokens) so that no rank holds more than its share.
+
+``sinks=n`` (with a window: StreamingLLM) keeps the first n tokens for the life of the
+cache, dealt round-robin like the rest but in storage of their own that the ring buffer
+never reuses; every query sees them besides its window. The decode runs its split-KV
+pass twice on each rank, over the window's slots and over the sinks (two disjoint sets),
+and merges the two partials locally before the one collective, so a call still moves
+only B x T x heads x (dv + 1) numbers per rank. ``capacity = n + left + T`` suffices for
+calls of T tokens forever.
 """
 
 import math
@@ -38,6 +46,7 @@ from .comm import _packet
 from .device import abort_on_device_error
 from .interop import bfloat16, like
 from .layout import LAYOUTS
+from .masks import Sinks, Window
 from .plan import BurstAttention
 from .ring import nbytes
 from .runtime import Runtime
@@ -113,6 +122,10 @@ class KVCache:
         The shapes of the cached keys, ``(batch, tokens, kv_heads, head_dim)``.
     v_head_dim : int, optional
         The values' head dim (default ``head_dim``).
+    sinks : int
+        With a window: keep the first ``sinks`` tokens for the life of the cache; every
+        query sees them and its window (StreamingLLM's attention sinks). Count them in
+        ``capacity``: ``sinks + left + T`` serves calls of T tokens forever.
     dtype : float16, bfloat16, float32 or float64 (NumPy backend only), or its name
         The dtype of the cache and of every q, k, v passed to it.
     softmax_scale : float, optional
@@ -140,7 +153,7 @@ class KVCache:
     """
 
     def __init__(self, comm=None, *, capacity, batch, kv_heads, head_dim, v_head_dim=None,
-                 dtype=np.float32, softmax_scale=None, window=None, backend="auto", device=None):
+                 dtype=np.float32, softmax_scale=None, window=None, sinks=0, backend="auto", device=None):
         fn = "KVCache"
         self.capacity = _count(fn, "capacity", capacity)
         if self.capacity >= 2 ** 31:
@@ -155,9 +168,20 @@ class KVCache:
         self.window = None if window is None else tuple(int(w) for w in window)
         self.left = -1 if window is None else self.window[0]
         self.scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
+        self.sinks = _count(fn, "sinks", sinks, 0)
+        if self.sinks and self.left < 0:
+            raise ValueError(f"{fn}: sinks: expected window=(left, 0) with left >= 0 beside sinks={sinks} (without "
+                             f"a window every token is kept and seen), got window={window!r}")
+        if self.sinks and self.capacity <= self.sinks:
+            raise ValueError(f"{fn}: capacity: expected more than sinks={self.sinks} tokens (the sinks, the window "
+                             f"and one call's tokens), got {self.capacity}")
         self.runtime = Runtime(fn, comm, backend=backend, device=device)
         P = self.runtime.nranks
-        self.slots = -(-self.capacity // P) + (1 if P > 1 else 0)
+        # The window's ring buffer: its share of what is not a sink.
+        self.slots = -(-(self.capacity - self.sinks) // P) + (1 if P > 1 else 0)
+        self._sink_slots = len(range(self.runtime.rank, self.sinks, P))  # positions p < sinks with p % P == rank
+        self._sk = self._sv = self._skpos = None
+        self._ns = 0  # sinks stored on this rank
         self.seqlen = 0
         self.heads = None  # query heads, fixed by the first call
         self._shape = (1, None)  # the agreed (T, heads) that sizes the decode's message
@@ -170,7 +194,7 @@ class KVCache:
         self._signature = (("capacity", self.capacity), ("batch", self.batch), ("kv_heads", self.kv_heads),
                            ("head_dim", self.head_dim), ("v_head_dim", self.v_head_dim),
                            ("dtype", self.dtype.name), ("softmax_scale", softmax_scale),
-                           ("window", self.window), ("backend", self.runtime.backend_name))
+                           ("window", self.window), ("sinks", self.sinks), ("backend", self.runtime.backend_name))
         if self.runtime.backend_name != "auto":
             self.runtime.begin(fn, self.runtime.backend_name, self._signature)
             error = None
@@ -185,20 +209,29 @@ class KVCache:
     @property
     def nbytes(self):
         """Bytes this rank's share of the cache takes (keys, values and positions)."""
-        return sum(int(a.nbytes) for a in (self._k, self._v, self._kpos) if a is not None)
+        return sum(int(a.nbytes) for a in (self._k, self._v, self._kpos, self._sk, self._sv, self._skpos)
+                   if a is not None)
 
     def shard(self):
         """This rank's cached keys (batch, n, kv_heads, head_dim), values and their global
-        positions (n,), in slot order: views of the cache (do not modify them)."""
+        positions (n,), in slot order: views of the cache (do not modify them); with sinks,
+        copies with this rank's sinks first."""
         n = self._n
-        return (self._k[:, :, :n].transpose(0, 2, 1, 3), self._v[:, :, :n].transpose(0, 2, 1, 3),
-                self._kpos_host[:n].astype(np.int64))
+        k, v = self._k[:, :, :n].transpose(0, 2, 1, 3), self._v[:, :, :n].transpose(0, 2, 1, 3)
+        pos = self._kpos_host[:n].astype(np.int64)
+        if self._ns:
+            xp, m = self.runtime.backend.xp, self._ns
+            k = xp.concatenate([self._sk[:, :, :m].transpose(0, 2, 1, 3), k], axis=1)
+            v = xp.concatenate([self._sv[:, :, :m].transpose(0, 2, 1, 3), v], axis=1)
+            pos = np.concatenate([_host(self._skpos[:m]).astype(np.int64), pos])
+        return k, v, pos
 
     def release(self):
         """Free this rank's share and the call buffers; the cache cannot be used after.
         Collective where the ranks share a node's memory (``burstmpi.shm``: it frees a window
         every rank maps), as the calls are."""
         self._k = self._v = self._kpos = self._kpos_host = None
+        self._sk = self._sv = self._skpos = None
         self._plans.clear()
         self._message = None
         self.runtime.release()
@@ -219,6 +252,11 @@ class KVCache:
         self._v = xp.zeros((B, Zkv, S, self.v_head_dim), self.dtype)
         self._kpos_host = np.full(S, -1, np.int32)
         self._kpos = self._kpos_host if xp is np else xp.asarray(self._kpos_host)
+        if self.sinks:
+            ns = self._sink_slots
+            self._sk = xp.zeros((B, Zkv, ns, self.head_dim), self.dtype)
+            self._sv = xp.zeros((B, Zkv, ns, self.v_head_dim), self.dtype)
+            self._skpos = xp.asarray(np.full(ns, -1, np.int32))
 
     def _kind(self, arrays):
         be = self.runtime.backend
@@ -280,9 +318,12 @@ class KVCache:
         h, lay, Z = self._admit(fn, {"q": q, "k": k, "v": v}, layout)
         plan = self._plans.get(layout)
         if plan is None:
+            # With sinks a query sees them or its window: the union, not the window alone.
+            window, mask = ((None, Sinks(self.sinks) | Window(self.left, 0)) if self.sinks
+                            else (self.window, None))
             plan = self._plans[layout] = BurstAttention(
-                causal=True, window=self.window, softmax_scale=self.softmax_scale, layout=layout,
-                runtime=self.runtime)
+                causal=True, window=window, softmax_scale=self.softmax_scale, layout=layout,
+                runtime=self.runtime, mask=mask)
         out, _ = plan.forward(q, k, v)
         self._keep(fn, h, lay, Z)
         return out
@@ -331,9 +372,9 @@ class KVCache:
             held = f" after the {self.seqlen} cached" if self.seqlen else ""
             raise ValueError(f"{fn}: k: a prompt of {N} tokens (the sum over ranks){held} does not fit "
                              f"capacity={self.capacity}")
-        if self.left >= 0 and min(self.seqlen + N, self.left) > self.capacity:  # the live tail it keeps
+        if self.left >= 0 and min(self.seqlen + N, self.left) > self.capacity - self.sinks:  # the live tail
             raise ValueError(f"{fn}: capacity: expected at least the window's {self.left} tokens "
-                             f"(window={self.window}), got {self.capacity}")
+                             f"(window={self.window}) and sinks={self.sinks}, got {self.capacity}")
         if append and self.seqlen and self.left < 0:
             self._check_room(fn, lay)
         return h, lay, Z
@@ -402,12 +443,12 @@ class KVCache:
 
     def _store_window_tail(self, fn, k, v, lay):
         """Windowed prefill (or load): keep only the positions a later query can see (the
-        last ``left``), dealt round-robin by position: one all-to-all of those rows.
-        Positions count from ``seqlen``, the tokens cached before."""
+        last ``left``, and the sinks), dealt round-robin by position: one all-to-all of those
+        rows. Positions count from ``seqlen``, the tokens cached before."""
         rt = self.runtime
         P, me = rt.nranks, rt.rank
         S = self.seqlen
-        live = lambda pos: pos >= lay.seqlen - self.left  # positions in the piece
+        live = lambda pos: (pos >= lay.seqlen - self.left) | (S + pos < self.sinks)  # positions in the piece
         B, Zkv, d, dv = self.batch, self.kv_heads, self.head_dim, self.v_head_dim
         row = B * Zkv * (d + dv) * self.dtype.itemsize  # bytes of one token's keys and values
         mine = lay.positions(me)
@@ -431,17 +472,34 @@ class KVCache:
                           [recv, (recv_counts * row, displ(recv_counts)), MPI.BYTE])
         pos = np.concatenate(src_pos)
         order = np.argsort(pos, kind="stable")  # slots in position order: the oldest first
-        got = recv.view(self.dtype)[order]
-        # At most ceil(min(seqlen, left) / P) live tokens each, those kept from before
-        # included (``_drop_older_than``): _admit's check (that tail <= capacity) keeps them
-        # in the slots.
-        assert self._n + len(got) <= self.slots, (self._n, len(got), self.slots)
+        got, pos = recv.view(self.dtype)[order], pos[order]
         xp = rt.backend.xp
         split = lambda a, e: np.ascontiguousarray(a.reshape(-1, B, Zkv, e).transpose(1, 0, 2, 3))
-        kn, vn = split(got[:, :B * Zkv * d], d), split(got[:, B * Zkv * d:], dv)
-        if xp is not np:
-            kn, vn = xp.asarray(kn), xp.asarray(vn)
-        self._store(kn, vn, pos[order])
+        for sink in (True, False):
+            sel = (pos < self.sinks) == sink
+            if not sel.any():
+                continue
+            kn, vn = split(got[sel, :B * Zkv * d], d), split(got[sel, B * Zkv * d:], dv)
+            if xp is not np:
+                kn, vn = xp.asarray(kn), xp.asarray(vn)
+            if sink:
+                self._store_sinks(kn, vn, pos[sel])
+            else:
+                # At most ceil(min(seqlen, left) / P) live tokens each, those kept from before
+                # included (``_drop_older_than``): _admit's check (that tail <= capacity) keeps
+                # them in the slots.
+                assert self._n + len(kn[0, 0]) <= self.slots, (self._n, kn.shape, self.slots)
+                self._store(kn, vn, pos[sel])
+
+    def _store_sinks(self, k, v, positions):
+        """Sinks (B, n, Zkv, d) at their slots: position p is slot p // P of rank p % P."""
+        xp = self.runtime.backend.xp
+        idx = np.asarray(positions) // self.runtime.nranks
+        at = idx if xp is np else xp.asarray(idx)
+        self._sk[:, :, at] = k.transpose(0, 2, 1, 3)
+        self._sv[:, :, at] = v.transpose(0, 2, 1, 3)
+        self._skpos[at] = xp.asarray(np.asarray(positions, np.int32))
+        self._ns = max(self._ns, int(idx.max()) + 1)
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -452,11 +510,13 @@ class KVCache:
         if self.left < 0 and S + T > self.capacity:
             raise ValueError(f"{fn}: the cache is full: capacity={self.capacity} tokens, {S} cached, "
                              f"q.shape[1] = {T} new ones do not fit")
-        if self.left >= 0 and min(S, self.left) + T > self.capacity:
+        new_sinks = max(0, min(T, self.sinks - S))  # this call's first tokens may still be sinks
+        live = min(max(S - self.sinks, 0), self.left)
+        if self.left >= 0 and self.sinks + live + T - new_sinks > self.capacity:
             raise ValueError(f"{fn}: the cache is full: with window={self.window} a call needs the last "
-                             f"{min(S, self.left)} tokens and its {T} new ones, more than "
-                             f"capacity={self.capacity}")
-        tokens = [t for t in range(T) if (S + t) % P == me]
+                             f"{live} tokens" + (f", the {self.sinks} sinks" if self.sinks else "")
+                             + f" and its {T - new_sinks} new ones, more than capacity={self.capacity}")
+        tokens = [t for t in range(new_sinks, T) if (S + t) % P == me]
         n, head, slots = self._n, self._head, []
         oldest_seen = S - self.left  # the first new query sees positions from here on
         for _ in tokens:
@@ -538,9 +598,16 @@ class KVCache:
                    ("q", fingerprint(_host(h["q"]))), ("k", fingerprint(_host(h["k"]))),
                    ("v", fingerprint(_host(h["v"])))]
             tokens, slots, old, n, head = self._slots_for(fn, T)
+            sink_tokens = [t for t in range(max(0, min(T, self.sinks - self.seqlen)))
+                           if (self.seqlen + t) % rt.nranks == rt.rank]
             with abort_on_device_error(rt.comm):
                 self._write(h["k"], h["v"], tokens, slots)
-            written = (slots, old, n, head)
+                ns = self._ns
+                if sink_tokens:
+                    t = np.asarray(sink_tokens)
+                    idx = t if rt.backend.xp is np else rt.backend.xp.asarray(t)
+                    self._store_sinks(h["k"][:, idx], h["v"][:, idx], self.seqlen + t)
+            written = (slots, old, n, head, (self.seqlen + np.asarray(sink_tokens, np.int64)) // rt.nranks, ns)
         except (TypeError, ValueError, NotImplementedError, RuntimeError, MemoryError) as e:
             error = e
         sig = list(self._signature) + sig
@@ -570,7 +637,11 @@ class KVCache:
     def _undo(self, written):
         if written is None:
             return
-        slots, old, _, _ = written
+        slots, old, _, _, sink_idx, ns = written
+        if len(sink_idx):
+            xp = self.runtime.backend.xp
+            self._skpos[sink_idx if xp is np else xp.asarray(sink_idx)] = -1
+            self._ns = ns
         self._kpos_host[slots] = old
         if self._kpos is not self._kpos_host and slots:
             xp = self.runtime.backend.xp
@@ -588,9 +659,19 @@ class KVCache:
             g = Z // Zkv
             qg = h["q"].reshape(B, T, Zkv, g, self.head_dim).transpose(0, 2, 1, 3, 4)
             t0 = time.perf_counter()
-            be.decode(qg, self._k, self._v, self._kpos, n, self.seqlen, self.left, self.scale,
-                      send["out"].reshape(B, T, Zkv, g, dv).transpose(0, 2, 1, 3, 4),
-                      send["lse"].reshape(B, T, Zkv, g).transpose(0, 2, 1, 3))
+            outs = lambda o: o.reshape(B, T, Zkv, g, dv).transpose(0, 2, 1, 3, 4)
+            lses = lambda x: x.reshape(B, T, Zkv, g).transpose(0, 2, 1, 3)
+            if not self._ns:
+                be.decode(qg, self._k, self._v, self._kpos, n, self.seqlen, self.left, self.scale,
+                          outs(send["out"]), lses(send["lse"]))
+            else:  # the window's slots and the sinks: two disjoint sets, merged here
+                R = send["lse"].shape[0]
+                part_out, part_lse = be.xp.empty((2, R, dv), send["out"].dtype), be.xp.empty((2, R), send["lse"].dtype)
+                be.decode(qg, self._k, self._v, self._kpos, n, self.seqlen, self.left, self.scale,
+                          outs(part_out[0]), lses(part_lse[0]))
+                be.decode(qg, self._sk, self._sv, self._skpos, self._ns, self.seqlen, -1, self.scale,
+                          outs(part_out[1]), lses(part_lse[1]))
+                be.combine(part_out, part_lse, send["out"], send["lse"])
             self._compute_s += time.perf_counter() - t0
         hdr = np.array([status, checksum(sig), T, Z], np.int64)
         if be.xp is np:

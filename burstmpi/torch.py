@@ -27,6 +27,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from mpi4py import MPI
 
 from .plan import BurstAttention
+from .validate import check_mask
 
 __all__ = ["attention"]
 
@@ -34,17 +35,18 @@ _PLANS = {}
 _PLANS_KEPT = 16
 
 
-def _plan(comm, causal, window, softmax_scale, layout, bwd_comm):
+def _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask):
     """The plan for these options, kept so its ring buffers are reused from step to step."""
     comm = MPI.COMM_WORLD if comm is None else comm
     handle = comm.py2f() if isinstance(comm, MPI.Comm) else id(comm)
-    key = (handle, bool(causal), None if window is None else tuple(window), softmax_scale, layout, bwd_comm)
+    check_mask("burstmpi.torch.attention", mask)  # before it is hashed into the key
+    key = (handle, bool(causal), None if window is None else tuple(window), softmax_scale, layout, bwd_comm, mask)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                                            layout=layout, bwd_comm=bwd_comm)
+                                            layout=layout, bwd_comm=bwd_comm, mask=mask)
     return plan
 
 
@@ -77,10 +79,10 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout="contiguous",
-              cu_seqlens=None, bwd_comm="auto"):
+              cu_seqlens=None, bwd_comm="auto", mask=None):
     """``burstmpi.attention`` as a differentiable function of torch tensors q, k, v.
 
-    Shapes, masks, documents and layouts as in ``burstmpi.attention`` (this rank's part of
+    Shapes, masks (``mask=``: ``burstmpi.masks``), documents and layouts as in ``burstmpi.attention`` (this rank's part of
     the sequence; ``cu_seqlens`` a list, NumPy array or CPU tensor of global offsets).
     Returns out like q. Collective over ``comm`` in the forward and in the backward."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -88,5 +90,5 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
             raise TypeError(f"burstmpi.torch.attention: {name}: expected a torch.Tensor, got {type(x).__name__}")
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    plan = _plan(comm, causal, window, softmax_scale, layout, bwd_comm)
+    plan = _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask)
     return _Attention.apply(q, k, v, plan, cu_seqlens)

@@ -5,9 +5,12 @@ import numpy as np
 
 import burstmpi
 from burstmpi import reference as ref
+from burstmpi.masks import Causal, Chunked, PerHead, Sinks, Window
 
-# (name, causal, window, documents?) - documents are packed with a causal mask.
-MASKS = [("causal", True, None, False), ("window", False, (4, 2), False), ("docs", True, None, True)]
+# (name, causal, window, documents?, burstmpi.masks mask) - documents are packed with a causal mask.
+MASKS = [("causal", True, None, False, None), ("window", False, (4, 2), False, None), ("docs", True, None, True, None),
+         ("sinks-chunks-per-head", True, None, True,
+          PerHead([Sinks(2) | Window(3, 0), Chunked(4), Causal(), Sinks(1) | Chunked(3)]))]
 LAYOUTS = ["contiguous", "zigzag", "striped"]
 B, E, H, HKV, D = 1, 12, 4, 2, 8  # batch, embedding, query heads, kv heads, head dim
 
@@ -34,11 +37,11 @@ def split(qkv):
     return q, k, v
 
 
-def dense_weight_grad(x, W, target, causal, window, cu):
+def dense_weight_grad(x, W, target, causal, window, cu, mask=None):
     """d/dW of sum(attention(x W) * target) on the whole sequence, from the float64 reference
     (chain rule through the projection)."""
     q, k, v = split(x @ W)
-    opts = dict(causal=causal, window=window, cu_seqlens=cu)
+    opts = dict(causal=causal, window=window, cu_seqlens=cu, mask=mask)
     dq, dk, dv = ref.backward(target, q, k, v, **opts)
     dqkv = np.concatenate([g.reshape(g.shape[0], g.shape[1], -1) for g in (dq, dk, dv)], axis=-1)
     return np.einsum("bne,bnf->ef", x, dqkv)

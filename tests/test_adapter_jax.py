@@ -62,10 +62,10 @@ def test_jax_check_grads_float64(causal, window, layout):
     check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-7, rtol=1e-7)
 
 
-def _loss(layout, causal, window, cu, rows):
+def _loss(layout, causal, window, cu, rows, pattern=None):
     def loss(W, x_local, target_local):
         q, k, v = split(x_local @ W)
-        out = bj.attention(q, k, v, causal=causal, window=window, layout=layout, cu_seqlens=cu)
+        out = bj.attention(q, k, v, causal=causal, window=window, layout=layout, cu_seqlens=cu, mask=pattern)
         return (out * target_local).sum()
 
     return loss
@@ -77,18 +77,18 @@ def _loss(layout, causal, window, cu, rows):
 def test_projection_step_matches_dense(jit, layout, mask):
     from mpi4py import MPI
 
-    _, causal, window, docs = next(m for m in MASKS if m[0] == mask)
+    _, causal, window, docs, pattern = next(m for m in MASKS if m[0] == mask)
     N = 5 * NRANKS + 3
     cu = docs_for(N) if docs else None
     x, W, target = step_problem(N)
     rows = local_rows(N, layout, cu)
-    grad = jax.value_and_grad(_loss(layout, causal, window, cu, rows))
+    grad = jax.value_and_grad(_loss(layout, causal, window, cu, rows, pattern))
     if jit:
         grad = jax.jit(grad)
     value, g = grad(jnp.asarray(W), jnp.asarray(x[:, rows]), jnp.asarray(target[:, rows]))
     total = np.empty_like(np.asarray(g))
     COMM.Allreduce(np.ascontiguousarray(g), total, op=MPI.SUM)
-    dense = dense_weight_grad(x, W, target, causal, window, cu)
+    dense = dense_weight_grad(x, W, target, causal, window, cu, pattern)
     err = np.abs(total - dense).max() / np.abs(dense).max()
     assert err < 1e-12, err
     assert np.isfinite(float(value)) and np.asarray(g).shape == W.shape

@@ -59,7 +59,7 @@ def test_gradcheck_float64(causal, window, layout):
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-8)
 
 
-def _step(x, W, target, layout, causal, window, cu):
+def _step(x, W, target, layout, causal, window, cu, pattern=None):
     """Each rank: its tokens -> projections -> burstmpi attention -> its share of the loss
     -> backward. Returns (the weight gradient summed over ranks, this rank's out)."""
     N = x.shape[1]
@@ -67,7 +67,7 @@ def _step(x, W, target, layout, causal, window, cu):
     Wt = torch.tensor(W, requires_grad=True)
     qkv = torch.tensor(x[:, rows]) @ Wt
     q, k, v = split(qkv)
-    out = bt.attention(q, k, v, causal=causal, window=window, layout=layout, cu_seqlens=cu)
+    out = bt.attention(q, k, v, causal=causal, window=window, layout=layout, cu_seqlens=cu, mask=pattern)
     (out * torch.tensor(target[:, rows])).sum().backward()
     grad = Wt.grad.numpy()
     total = np.empty_like(grad)
@@ -80,12 +80,12 @@ def _step(x, W, target, layout, causal, window, cu):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mask", [m[0] for m in MASKS])
 def test_projection_step_matches_dense(layout, mask):
-    _, causal, window, docs = next(m for m in MASKS if m[0] == mask)
+    _, causal, window, docs, pattern = next(m for m in MASKS if m[0] == mask)
     N = 5 * NRANKS + 3
     cu = docs_for(N) if docs else None
     x, W, target = step_problem(N)
-    total, out = _step(x, W, target, layout, causal, window, cu)
-    dense = dense_weight_grad(x, W, target, causal, window, cu)
+    total, out = _step(x, W, target, layout, causal, window, cu, pattern)
+    dense = dense_weight_grad(x, W, target, causal, window, cu, pattern)
     err = np.abs(total - dense).max() / np.abs(dense).max()
     assert err < 1e-12, err
     assert out.dtype == torch.float64 and out.shape == (B, len(local_rows(N, layout, cu)), H, D)

@@ -13,12 +13,13 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
+from burstmpi.masks import Sinks, Window
 from conftest import COMM, DTYPES, NRANKS, RANK, check_close, dtype_of, needs_ranks
 
 
 def run_cache(*, B=1, N0=13, Ts=(1,) * 6, Z=4, Zkv=2, d=16, dv=None, dtype="float32", window=None,
               layout="contiguous", capacity=None, backend=None, transport=None, seed=0, tag="decode ",
-              softmax_scale=None):
+              softmax_scale=None, sinks=0):
     """Prefill ``N0`` tokens, decode ``Ts`` tokens per call; check every result. Returns the cache.
 
     ``backend``: a backend object to run on; ``transport``: a transport class to build the
@@ -27,12 +28,14 @@ def run_cache(*, B=1, N0=13, Ts=(1,) * 6, Z=4, Zkv=2, d=16, dv=None, dtype="floa
     q, k, v, _ = ref.random_problem(B, total, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     cache = burstmpi.KVCache(capacity=total if capacity is None else capacity, batch=B, kv_heads=Zkv,
                              head_dim=d, v_head_dim=dv, dtype=dtype_of(dtype), window=window,
-                             softmax_scale=softmax_scale)
+                             softmax_scale=softmax_scale, sinks=sinks)
     if backend is not None:
         cache.runtime.backend = backend
     if transport is not None:
         cache.runtime.transport = transport(cache.runtime.comm)
     opts = dict(causal=True, window=window, softmax_scale=softmax_scale)
+    if sinks:  # StreamingLLM: the sinks or the window
+        opts.update(window=None, mask=Sinks(sinks) | Window(window[0], 0))
     o64, l64 = ref.forward(q, k, v, **opts)
     op, lp = ref.forward(q, k, v, precision="plain", **opts)
     if N0:
@@ -353,3 +356,33 @@ def test_load_past_the_capacity_or_a_rank_s_slots_raises_everywhere():
         mine = [x if RANK == 0 else x[:, :0] for x in (k, v)]
         with pytest.raises(ValueError, match=r"rank 0: KVCache.load: k.shape\[1\]: this rank has 2 free slots"):
             cache.load(*mine)
+
+
+@pytest.mark.parametrize("N0,layout", [(0, "contiguous"), (3, "zigzag"), (41, "contiguous"), (41, "striped")])
+def test_sinks_and_a_window_forever(N0, layout):
+    """StreamingLLM: capacity = sinks + left + T serves decode calls indefinitely; a prompt
+    longer than the capacity prefills and keeps only the sinks and the window's tail."""
+    sinks, left = 3, 6
+    run_cache(N0=N0, Ts=(1,) * 40 + (2, 1, 2), window=(left, 0), sinks=sinks, capacity=sinks + left + 2,
+              layout=layout, tag="decode sinks ")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_every_dtype(dtype):
+    run_cache(N0=17, Ts=(1, 3, 1, 1), window=(4, 0), sinks=2, capacity=2 + 4 + 3, dtype=dtype, tag="decode sinks ")
+
+
+def test_sinks_memory_and_errors():
+    with pytest.raises(ValueError, match=r"KVCache: sinks: expected window=\(left, 0\) with left >= 0 beside sinks=2"):
+        _cache(sinks=2)
+    with pytest.raises(ValueError, match=r"KVCache: sinks: expected an integer >= 0, got -1"):
+        _cache(sinks=-1, window=(3, 0))
+    with pytest.raises(ValueError, match=r"KVCache: capacity: expected more than sinks=8"):
+        burstmpi.KVCache(capacity=8, batch=1, kv_heads=2, head_dim=16, window=(3, 0), sinks=8)
+    cache = burstmpi.KVCache(capacity=4 + 8 + 1, batch=1, kv_heads=2, head_dim=16, window=(8, 0), sinks=4)
+    q, k, v = _problem(T=1)
+    cache.decode(q, k, v)
+    # The sinks' storage is this rank's share of them, never reused by the window.
+    assert cache._sk.shape[2] == len(range(RANK, 4, NRANKS))
+    k_shard, _, pos = cache.shard()
+    assert len(pos) == k_shard.shape[1] == (1 if RANK == 0 else 0)

@@ -44,6 +44,16 @@ def test_gqa_windows_layouts_on_emulated_kernels(lib, Z, Zkv, window, layout):
     assert cache.runtime.backend is be and be.launches > 0
 
 
+@pytest.mark.parametrize("N0", [0, 23])
+def test_sinks_on_emulated_kernels(lib, N0):
+    """StreamingLLM on the kernels: the window's pass and the sinks' pass, merged by the
+    combine kernel before the collective."""
+    be = _backend(lib)
+    cache = run_cache(dtype="float16", d=32, backend=be, N0=N0, Ts=(1,) * 12 + (2,), window=(5, 0), sinks=3,
+                      capacity=3 + 5 + 2, tag="kernels decode sinks ")
+    assert cache.runtime.backend is be and be.launches > 0
+
+
 def test_empty_cache_and_many_rows_on_emulated_kernels(lib):
     # From an empty cache; then a chunk of 21 tokens x 2 heads per KV head: several row
     # groups of the decode kernel.

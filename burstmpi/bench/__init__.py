@@ -20,6 +20,7 @@ from . import attention, decode as decode_mode
 from ..layout import LAYOUTS
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
 from .common import DTYPES, cpu_line, legend, parse_bytes, parse_size, parse_window
+from .patterns import check_spec
 
 __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
 
@@ -42,7 +43,11 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
 @click.option("-H", "--heads", default=8, show_default=True, help="Query heads.")
 @click.option("-K", "--kv-heads", default=None, type=int, help="Key/value heads (default: --heads).")
 @click.option("-D", "--head-dim", default=128, show_default=True)
-@click.option("-m", "--mask", default="both", show_default=True, type=click.Choice(["none", "causal", "both"]))
+@click.option("-m", "--mask", default="both", show_default=True, callback=check_spec, metavar="SPEC",
+              help="none, causal, both (dense), or a sparse pattern run causal: streaming:SINKS:WINDOW, "
+                   "chunked:SIZE, blocks:DENSITY[:BS], bigbird:G:W:R[:BS], strided:STRIDE:LOCAL[:BS] "
+                   "(burstmpi.bench.patterns); patterns add the visible fraction, vs dense and sparse "
+                   "efficiency columns.")
 @click.option("-l", "--layout", default="zigzag", show_default=True, type=click.Choice(list(LAYOUTS) + ["all"]))
 @click.option("--window", default=None, callback=parse_window, help="Sliding window LEFT,RIGHT (-1 = unbounded).")
 @click.option("--docs", default=None, callback=lambda ctx, p, v: None if v is None else check_docs(v),

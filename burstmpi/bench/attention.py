@@ -57,6 +57,7 @@ from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, cho
                      np_dtype, reads_in_place, resolve_device, say, seqlens, sweep, timed, wall)
 from .estimates import attention_stages
 from .memory import Budget
+from .patterns import DENSE, build as build_pattern
 
 __all__ = ["COLUMNS", "ALL_COLUMNS", "LEGEND", "CONFIG_KEYS", "PRESETS", "check_docs", "flops", "run_config",
            "main"]
@@ -87,7 +88,7 @@ COLUMNS = [
 
 # The keys that identify a configuration (regression mode matches rows on them).
 CONFIG_KEYS = ("seqlen", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
-               "bwd_mode", "ranks", "docs_spec")
+               "bwd_mode", "ranks", "docs_spec", "mask_spec")
 
 
 # Published setups, so users can compare directly. Lengths are global; "per_rank" ones
@@ -117,6 +118,12 @@ PADDED_COLUMNS = [
 ]
 
 
+MASK_COLUMNS = [
+    ("mask_spec", "mask", "", 16, "s"), ("visible", "visible", "pairs", 7, ".3f"),
+    ("vs_dense", "vs", "dense", 6, ".2f"), ("eff_fwd", "eff", "fwd", 5, ".2f"), ("eff_fwdbwd", "eff", "f+b", 5, ".2f"),
+]
+
+
 TORCH_COLUMNS = [
     ("torch_fwd_tflops", "torch", "fwd TF/s", 8, ".3f"),
     ("torch_fwdbwd_tflops", "torch", "f+b TF/s", 8, ".3f"),
@@ -124,7 +131,7 @@ TORCH_COLUMNS = [
 ]
 
 
-ALL_COLUMNS = COLUMNS + MEMORY_COLUMNS + PADDED_COLUMNS + TORCH_COLUMNS
+ALL_COLUMNS = COLUMNS + MEMORY_COLUMNS + PADDED_COLUMNS + MASK_COLUMNS + TORCH_COLUMNS
 
 
 # One line per column for --legend (header and unit are the table's).
@@ -168,6 +175,14 @@ LEGEND = {
     "vs_padded": "--docs: pad f+b / f+b (above 1: burstmpi is faster)",
     "torch_fwd_tflops": "--torch: torch SDPA's forward TFLOP/s on the whole problem (rank 0, every core)",
     "torch_fwdbwd_tflops": "--torch: torch's forward + backward TFLOP/s",
+    "mask_spec": "--mask PATTERN: the sparse pattern (burstmpi.bench.patterns), with the causal mask on top",
+    "visible": "--mask PATTERN: visible (query, key) pairs over all N^2 pairs, averaged over heads (causal "
+               "alone: about 0.5)",
+    "vs_dense": "--mask PATTERN: f+b of the same shapes unmasked (no mask at all), timed side by side in the "
+                "same run, over the pattern's f+b (above 1: the pattern is faster)",
+    "eff_fwd": "--mask PATTERN: sparse efficiency of the forward: dense time x visible / masked time (1.00: "
+               "time falls exactly in proportion to the visible pairs)",
+    "eff_fwdbwd": "--mask PATTERN: the same for forward + backward",
     "vs_torch_fwd": "--torch: our job's forward TFLOP/s over torch's (above 1: burstmpi is faster)",
     "vs_torch_fwdbwd": "--torch: the same for forward + backward",
 }
@@ -198,7 +213,7 @@ def check_docs(spec):
     return spec
 
 
-def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlens=None):
+def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlens=None, mask=None):
     """Values that miss float64 on sampled rows (summed over ranks).
 
     Query rows: out, lse and dq against an exact float64 forward and backward. Key rows:
@@ -222,7 +237,7 @@ def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlen
     sample = np.unique(np.linspace(0, N - 1, min(CHECK_ROWS, N)).astype(np.int64))
     mine = np.nonzero(np.isin(positions, sample))[0]
     atol, rtol = TOLERANCE[cfg["dtype"]]
-    opts = dict(causal=bool(cfg["causal"]), window=window, cu_seqlens=cu_seqlens)
+    opts = dict(causal=bool(cfg["causal"]), window=window, cu_seqlens=cu_seqlens, mask=mask)
 
     def wrong(ours, ref):
         ours = np.asarray(ours, dtype=np.float64)
@@ -288,7 +303,7 @@ def _torch_timer(comm, cfg, local, gpu=False):
     return tick, times
 
 
-def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None):
+def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None, mask=None):
     """Peak bytes of one forward and one backward on a fresh plan, inputs included.
 
     tracemalloc sees every NumPy allocation made while it runs; the inputs were made
@@ -296,7 +311,7 @@ def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None):
     what each phase cannot do without: its arrays in and out and its ring buffers.
     """
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
-                          bwd_comm=cfg["bwd_comm"])
+                          bwd_comm=cfg["bwd_comm"], mask=mask)
     tracemalloc.start()
     out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
     fwd_peak = tracemalloc.get_traced_memory()[1] + q.nbytes + k.nbytes + v.nbytes
@@ -394,9 +409,11 @@ def _padded_way(comm, cfg, cu_seqlens, *, iters, warmup, window, seed, dev, tran
 def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed,
                trace_memory=False, dev=None, transport="auto", docs=None, budget=None):
     """Benchmark one configuration; return its row (identical on every rank). ``docs``
-    (a ``--docs`` SPEC) packs each sequence with documents. ``budget`` (``memory.Budget``,
-    made here when None) checks the row's memory first: raises ``memory.Refused`` when the
-    row does not fit, skips the baselines that do not."""
+    (a ``--docs`` SPEC) packs each sequence with documents; ``cfg["mask_spec"]`` (a
+    ``--mask`` pattern, or None) masks it, and then the same shapes run unmasked side by
+    side for the ``vs dense`` and efficiency columns. ``budget`` (``memory.Budget``, made
+    here when None) checks the row's memory first: raises ``memory.Refused`` when the row
+    does not fit, skips the baselines that do not."""
     dev = Device("numpy") if dev is None else dev
     budget = Budget(comm) if budget is None else budget
     P, rank = comm.Get_size(), comm.Get_rank()
@@ -413,16 +430,26 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     use_torch = use_torch and plan_mem.runs.get("torch on rank 0", False)
     local, arrays = _inputs(cfg, C, seed, rank, dev)
     q, k, v, do = arrays
+    spec = cfg.get("mask_spec")
+    mask = None if spec is None else build_pattern(spec, N, Z, seed)
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
                           bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                          transport=transport)
-    memory = _footprint(comm, cfg, window, q, k, v, do, cu) if trace_memory else {}
+                          transport=transport, mask=mask)
+    memory = _footprint(comm, cfg, window, q, k, v, do, cu, mask) if trace_memory else {}
+    dense, dense_times = None, []  # the same shapes unmasked, for --mask PATTERN
+    if mask is not None:
+        dense = BurstAttention(layout=cfg["layout"], bwd_comm=cfg["bwd_comm"], backend=dev.backend,
+                               transport=transport)
+        _iterations(comm, dense, arrays, 0, 1, dev)  # warmed up, untimed
     ref = []  # (fwd, bwd) seconds of the local kernel
     torch_tick, torch_times = _torch_timer(comm, cfg, local, dev.backend == "cuda") if use_torch else (None, [])
 
     def between(j):
         if torch_tick is not None:  # torch after each of our iterations: means over the same span
             torch_tick()
+        if dense is not None:  # one unmasked iteration after each masked one: side by side
+            f, b, *_ = _iterations(comm, dense, arrays, 1, 0, dev)
+            dense_times.append((f[0], b[0]))
         # The single-device reference, timed after every iteration: side by side with the
         # ring's, on machines whose speed drifts, and a mean of as many samples (one sample
         # after every second iteration, as before, left `vs local` of one 4-rank 16K causal
@@ -456,6 +483,9 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     row.pop("bwd_comm")
     fl = {phase: flops(B, N, Z, d, cfg["causal"], phase, window, cu) for phase in ("fwd", "bwd", "fwdbwd")}
     pairs = comm.allgather(st.forward.pairs)
+    if mask is not None:  # FLOPs of the visible pairs (per head on average), as with a window
+        f = 4.0 * B * Z * d * float(sum(pairs))
+        fl = {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}
     local_rate = 3.5 * 4.0 * B * Z * Cl * Cl * d / lfb  # dense Cl x Cl block, fwd + bwd
     row.update(
         bwd_mode=st.bwd_mode, ranks=P, backend=st.backend, transport=st.transport,
@@ -485,9 +515,15 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     row["fwdbwd_tflops_all"] = row["fwdbwd_tflops"] * P
     row["vs_local"] = row["fwdbwd_tflops"] / row["local_fwdbwd_tflops"]
     row.update(memory)
+    if mask is not None:
+        dense_f = float(red(comm.allgather(float(np.mean([x for x, _ in dense_times])))))
+        dense_fb = float(red(comm.allgather(float(np.mean([x + y for x, y in dense_times])))))
+        visible = float(sum(pairs)) / (float(N) * N)
+        row.update(visible=visible, dense_fwd_ms=1e3 * dense_f, dense_fwdbwd_ms=1e3 * dense_fb,
+                   vs_dense=dense_fb / fb_s, eff_fwd=dense_f * visible / tf_s, eff_fwdbwd=dense_fb * visible / fb_s)
     if check:
         row["wrong"] = _count_wrong(comm, row, local, dev.host(out), dev.host(lse),
-                                    [dev.host(g) for g in grads], window, positions, cu)
+                                    [dev.host(g) for g in grads], window, positions, cu, mask)
     if cu is not None and plan_mem.runs["the padded way"]:
         row.update(_padded_way(comm, cfg, cu, iters=iters, warmup=warmup, window=window, seed=seed,
                                dev=dev, transport=transport, red=red))
@@ -532,9 +568,12 @@ def main(comm, ctx, o):
             import torch  # noqa: F401
         except ImportError:
             raise click.UsageError("--torch needs PyTorch (pip install torch)")
-    causals = {"none": [False], "causal": [True], "both": [False, True]}[mask]
+    pattern = None if mask in DENSE else mask  # a sparse pattern runs causal
+    causals = [True] if pattern else {"none": [False], "causal": [True], "both": [False, True]}[mask]
+    if pattern and (o["use_torch"] or docs is not None or window is not None):
+        raise click.UsageError("--mask PATTERN runs alone: drop --torch, --docs and --window")
     configs = [dict(seqlen=n, batch=o["batch"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=dt, causal=int(c), layout=lay, bwd_comm=bw)
+                    dtype=dt, causal=int(c), layout=lay, bwd_comm=bw, mask_spec=pattern)
                for n in seqlens(minseq, maxseq, stepfactor)
                for dt in choices(dtype, DTYPES)
                for c in causals
@@ -556,7 +595,7 @@ def main(comm, ctx, o):
         transport = "auto"  # a GPU transport: host arrays take shm or mpi, as auto picks
     params.update(backend=dev.backend, transport=transport)
     columns = (COLUMNS + (MEMORY_COLUMNS if o["trace_memory"] else []) + (PADDED_COLUMNS if docs else [])
-               + (TORCH_COLUMNS if o["use_torch"] else []))
+               + (MASK_COLUMNS if pattern else []) + (TORCH_COLUMNS if o["use_torch"] else []))
     work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window,
                   None if docs is None else packing.pack(docs, c["seqlen"], o["seed"]))
             for c in configs]
