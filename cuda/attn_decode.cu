@@ -366,7 +366,7 @@ burst_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     if (sr < nrows && sub == 0) {
         const int row = r0 + sr, t = row / group, gi = row % group;
-        const bool seen = lrow > 0.f;
+        const bool seen = lrow != 0.f;  // NaN too (a NaN in q, k or v reaches the row)
         rowscale[sr] = seen ? 1.f / lrow : 0.f;
         lse[b * l_sb + t * l_st + hk * l_skv + gi * l_sg + blockIdx.y * l_ssplit] =
             seen ? mrow * BURST_LN2 + logf(lrow) : neg_inf();
@@ -401,11 +401,16 @@ burst_decode_combine(T* __restrict__ out, float* __restrict__ lse,
     const int hk = (int)(bh % kv_heads), b = (int)(bh / kv_heads);
 
     float m = neg_inf();
-    for (int p = 0; p < parts; ++p) m = fmax2(m, parts_lse[p * pl_sp + rid * pl_sr]);
+    bool any = false;  // some partial saw a key, or is NaN (which must reach the row)
+    for (int p = 0; p < parts; ++p) {
+        const float lp = parts_lse[p * pl_sp + rid * pl_sr];
+        m = fmax2(m, lp);
+        any |= lp != neg_inf();
+    }
     float acc[PER_LANE], total = 0.f;
 #pragma unroll
     for (int c = 0; c < PER_LANE; ++c) acc[c] = 0.f;
-    if (m != neg_inf()) {
+    if (any) {
         for (int p = 0; p < parts; ++p) {
             const float lp = parts_lse[p * pl_sp + rid * pl_sr];
             if (lp == neg_inf()) continue;  // saw nothing: weight 0, and its out is not read
@@ -418,7 +423,7 @@ burst_decode_combine(T* __restrict__ out, float* __restrict__ lse,
             for (int c = 0; c < PER_LANE; ++c) acc[c] += w * src[lane + 32 * c];
         }
     }
-    const bool seen = total > 0.f;  // total >= 1 whenever some partial saw a key
+    const bool seen = total != 0.f;  // total >= 1 whenever some partial saw a key; NaN carries a NaN
     const float inv = seen ? 1.f / total : 0.f;
     T* dst = out + b * o_sb + t * o_st + hk * o_skv + gi * o_sg;
 #pragma unroll

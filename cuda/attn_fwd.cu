@@ -23,7 +23,7 @@
 // burst_fwd_finalize<T, DV>
 //   grid ceil(rows / 4), block 128: one warp per (batch, token, head) row.
 //   Reads acc, m, l; writes out = acc / l (T) and lse = m + log(l) (fp32). A row that saw
-//   no key gets out 0 and lse -inf.
+//   no key gets out 0 and lse -inf; a NaN sum (a NaN or Inf among the row's q, k, v) gives NaN.
 //
 // Strides are in elements. Query-side tensors (q, dout, out, acc, m, l, lse, D, dq) take
 // four: batch, token, KV head, and head within the KV head's group, so query head
@@ -192,7 +192,7 @@ burst_fwd_finalize(T* __restrict__ out, float* __restrict__ lse, const float* __
     const int hk = h / (heads / kv_heads), gi = h % (heads / kv_heads);
     const long long r = b * r_sb + tok * r_st + hk * r_skv + gi * r_sg;
     const float lv = l[r];
-    const bool seen = lv > 0.f;
+    const bool seen = lv != 0.f;  // NaN too: a NaN in q, k or v reaches out and lse, never a silent 0
     const float inv = seen ? 1.f / lv : 0.f;
     const float* a = acc + b * a_sb + tok * a_st + hk * a_skv + gi * a_sg;
     T* o = out + b * o_sb + tok * o_st + hk * o_skv + gi * o_sg;

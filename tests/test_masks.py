@@ -277,3 +277,55 @@ def test_masks_compare_and_describe():
     assert a == b and a.digest() == b.digest()
     blocks[0, 1] = True  # the mask copied its array
     assert a == b
+
+
+# -- NaN and Inf reach what they should, never a silent 0 ---------------------------------
+
+
+def _nan_run(backend, dtype, inject, mask, layout="zigzag"):
+    N = 16 * NRANKS + 5
+    q, k, v, do = ref.random_problem(1, N, 2, 1, 32, dtype=np.float32, seed=3)
+    q, k, v, do = (x.astype(dtype) for x in (q, k, v, do))
+    for name, row, value in inject:
+        {"q": q, "k": k, "v": v}[name][:, row] = value
+    sh = lambda x: burstmpi.shard(x, layout=layout)
+    plan = burstmpi.BurstAttention(mask=mask, layout=layout, causal=True, bwd_comm="ring")
+    if backend is not None:
+        plan.backend = backend
+    out, lse = plan.forward(sh(q), sh(k), sh(v))
+    dq, dk, dv = plan.backward(sh(do), sh(q), sh(k), sh(v), out, lse)
+    un = lambda x, axis=1: np.asarray(burstmpi.unshard(x, layout=layout, axis=axis), np.float64)
+    seen = ref.visible(np.arange(N), np.arange(N), causal=True, mask=mask, seqlen=N)
+    return un(out), un(lse, 2), [un(g) for g in (dq, dk, dv)], seen
+
+
+def _bad_rows(x):
+    return ~np.isfinite(x).reshape(x.shape[0], x.shape[1], -1).all(axis=(0, 2))
+
+
+@pytest.mark.parametrize("where", ["numpy", "numba", "kernels"])
+def test_nan_and_inf_reach_the_rows_that_see_them(where, lib):
+    """A NaN in q and an Inf in k reach exactly the rows dense attention lets them reach
+    (those that see them) in out and lse. In the gradients, and from a NaN in v, they
+    reach every row and key that sees them and may also reach a neighbour in the same
+    partly masked tile (a masked pair's 0 times a NaN or an Inf inside a GEMM is NaN, as
+    in flash-attn): never fewer, never a silent 0."""
+    if where == "kernels" and not kh.available():
+        pytest.skip("no C++ compiler for the CUDA emulator")
+    backend = kh.EmulatedBackend(lib) if where == "kernels" else None
+    dtype = np.float64 if where == "numpy" else np.float32
+    mask = Sinks(2) | Window(6, 0)
+    a, b = 9, 4
+    with np.errstate(invalid="ignore", over="ignore"):
+        out, lse, (dq, dk, dv), seen = _nan_run(backend, dtype, [("q", a, np.nan), ("k", b, np.inf)], mask)
+    reach = seen[:, b].copy()
+    reach[a] |= seen[a].any()
+    assert np.array_equal(_bad_rows(out), reach)
+    assert np.array_equal(~np.isfinite(lse).all(axis=(0, 1)), reach)
+    assert _bad_rows(dq)[reach].all()
+    key_reach = (seen & reach[:, None]).any(axis=0)
+    assert _bad_rows(dk)[key_reach].all() and _bad_rows(dv)[key_reach].all()
+    c = 3
+    with np.errstate(invalid="ignore"):
+        out, lse, _, seen = _nan_run(backend, dtype, [("v", c, np.nan)], mask)
+    assert _bad_rows(out)[seen[:, c]].all() and np.isfinite(lse).all()

@@ -396,7 +396,7 @@ class NumpyBackend:
         """
         acc, m, l = state
         check_out("fwd_finalize", out, acc.shape, dtype)
-        seen = l > 0
+        seen = l != 0  # NaN too: a NaN in q, k or v reaches the row's out and lse, never a silent 0
         l_safe = np.where(seen, l, 1)
         if out is None:
             acc /= l_safe[..., None]

@@ -66,7 +66,7 @@ def decode(q, k, v, kpos, n, qpos0, left, scale, out, lse, rows=256):
             if not vis.all():
                 s.reshape(B, Zkv, t1 - t0, g, c1 - c0)[...] += np.where(vis, 0, -np.inf).astype(cd)[:, None, :]
             online_update(s, v[:, :, c0:c1].astype(cd, copy=False), acc, m, l)
-        seen = l > 0
+        seen = l != 0  # NaN too: it reaches the row, never a silent 0
         l_safe = np.where(seen, l, 1)
         out[:, :, t0:t1] = (acc / l_safe[..., None]).reshape(B, Zkv, t1 - t0, g, dv)
         lse[:, :, t0:t1] = np.where(seen, m + np.log(l_safe), -np.inf).reshape(B, Zkv, t1 - t0, g)
@@ -86,7 +86,7 @@ def combine(parts_out, parts_lse, out, lse):
         w = np.exp(parts_lse[p] - m_safe)
         total += w
         acc += w[:, None] * parts_out[p]
-    seen = total > 0
+    seen = total != 0  # NaN too
     safe = np.where(seen, total, 1)
     out[...] = (acc / safe[:, None]).astype(out.dtype, copy=False)
     lse[...] = np.where(seen, m_safe + np.log(safe), -np.inf)

@@ -24,13 +24,13 @@ __all__ = ["fwd_row", "bwd_row", "online_update", "softmax_update", "rescale_add
 name = "numpy"  # what the bench and the stats call this set of operations
 
 
-def _hide(s, jlo, jhi, g):
-    """Set the columns outside each row's visible interval to -inf."""
+def _hide(s, jlo, jhi, g, value=-np.inf):
+    """Set the columns outside each row's visible interval to ``value``."""
     if jlo is None:
         return
     j = np.arange(s.shape[1])
     lo, hi = np.repeat(jlo, g)[:, None], np.repeat(jhi, g)[:, None]
-    s[(j < lo) | (j >= hi)] = -np.inf
+    s[(j < lo) | (j >= hi)] = value
 
 
 def online_update(s, vt, acc, m, l):
@@ -70,10 +70,12 @@ def rescale_add(acc, alpha, pv):
 
 
 def probs(p, jlo, jhi, g, lse):
-    """p = exp(p - lse[:, None]) on the visible columns, 0 elsewhere (lse = +inf: 0)."""
-    _hide(p, jlo, jhi, g)
+    """p = exp(p - lse[:, None]) on the visible columns, 0 elsewhere (lse = +inf: 0; a NaN
+    lse makes the visible columns NaN and leaves the others 0: it reaches only the keys
+    the row sees)."""
     p -= lse[:, None]
     np.exp(p, out=p)
+    _hide(p, jlo, jhi, g, 0.0)
 
 
 def dsoftmax(ds, p, D):
