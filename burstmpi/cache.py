@@ -486,9 +486,9 @@ class KVCache:
                 self._store_sinks(kn, vn, pos[sel])
             else:
                 # At most ceil(min(seqlen, left) / P) live tokens each, those kept from before
-                # included (``_drop_older_than``): _admit's check (that tail <= capacity) keeps
-                # them in the slots.
-                assert self._n + len(kn[0, 0]) <= self.slots, (self._n, kn.shape, self.slots)
+                # included (``_drop_older_than``): _admit's check (that the tail fits in the
+                # capacity less the sinks) keeps them in the slots.
+                assert self._n + int(sel.sum()) <= self.slots, (self._n, int(sel.sum()), self.slots)
                 self._store(kn, vn, pos[sel])
 
     def _store_sinks(self, k, v, positions):

@@ -92,7 +92,7 @@ class Geometry:
                 for _, blocks, filters in full.groups:
                     for b, f in zip(blocks, filters):
                         if f is not None:  # a block-sparse term: count the set blocks' positions
-                            need |= f.needed(b, own, self.layout.seqlen, role)
+                            need |= f.needed(b, own, role)
                             continue
                         inside = (np.searchsorted(own, b.last, side="right")
                                   - np.searchsorted(own, b.first, side="left"))

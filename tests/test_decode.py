@@ -386,3 +386,9 @@ def test_sinks_memory_and_errors():
     assert cache._sk.shape[2] == len(range(RANK, 4, NRANKS))
     k_shard, _, pos = cache.shard()
     assert len(pos) == k_shard.shape[1] == (1 if RANK == 0 else 0)
+
+
+def test_windowed_prefill_with_more_kv_heads_than_slots():
+    """The live tail's slot check counts tokens (a windowed cache of few slots, many KV heads)."""
+    run_cache(N0=9 * NRANKS, Ts=(1, 1), Zkv=8, Z=8, window=(3, 0), capacity=5, tag="decode ")
+    run_cache(N0=9 * NRANKS, Ts=(1, 1), Zkv=8, Z=8, window=(3, 0), sinks=1, capacity=6, tag="decode sinks ")

@@ -234,7 +234,10 @@ def test_sinks_and_window_bytes():
     (lambda: PerHead([Causal(), "causal"]), r"PerHead: masks\[1\]: expected a burstmpi.masks mask, got str"),
     (lambda: PerHead([PerHead([Causal()])]), r"PerHead: masks\[0\]: expected a mask for one head"),
     (lambda: Causal() & "x", r"mask &: expected a burstmpi.masks mask"),
-    (lambda: PerHead([Causal()] * 2) | PerHead([Causal()] * 3), r"mask \|: per-head masks for 2 and 3 heads"),
+    (lambda: PerHead([Causal()] * 2) | PerHead([Causal()] * 3),
+     r"mask \|: expected per-head masks for the same number of heads, got 2 and 3"),
+    (lambda: BlockSparse(np.ones((4, 4), bool), 4) & BlockSparse(np.ones((2, 2), bool), 8),
+     r"mask &: BlockSparse pieces: expected one block size and grid, got block_size 4 \(4x4 blocks\), block_size 8"),
 ])
 def test_bad_masks_are_refused_by_name(make, match):
     with pytest.raises((TypeError, ValueError), match=match):

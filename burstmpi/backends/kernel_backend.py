@@ -31,11 +31,12 @@ tests' emulator (tests/kernel_harness.py) on the CPU, with NumPy arrays standing
 device memory. Everything between the ring and the launch is therefore tested in CI.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import kernels
 from ..interop import bfloat16
-from ..masks.intervals import Block
 from ..validate import check_out
 
 __all__ = ["KernelBackend"]
@@ -50,14 +51,14 @@ def _dtype_name(dtype):
     raise ValueError(f"backend 'cuda': dtype: expected float16, bfloat16 or float32, got {dtype}")
 
 
-def _rectangles(blocks, qb, kb):
-    """A block-sparse filter as plain interval launches: (query rows, key rows, their
-    Blocks) of each rectangle of set blocks (``masks.blocks.BlockFilter.rectangles``). The
-    kernels take one interval per row; a native bitmap in cuda/mask.cuh would save the
-    launches (one per query block row and run of set key blocks)."""
-    for q0, q1, k0, k1 in blocks.rectangles(qb, kb):
-        qs, ks = slice(q0, q1), slice(k0, k1)
-        yield qs, ks, Block(*(x[qs] for x in qb)), Block(*(x[ks] for x in kb))
+class _Ptrs(NamedTuple):
+    """Device addresses of a block's int32 row arrays; ``at(i)``: from row i on."""
+    pos: int
+    first: int
+    last: int
+
+    def at(self, i):
+        return _Ptrs(*(p + 4 * i for p in self))
 
 
 class KernelBackend:
@@ -162,29 +163,35 @@ class KernelBackend:
         return {"dq": xp.zeros((B, Zkv, C, g, d), acc), "dk": xp.zeros((B, Zkv, C, d), acc),
                 "dv": xp.zeros((B, Zkv, C, dv), acc)}
 
+    def _ptrs(self, block):
+        """Device addresses of a Block's int32 positions, first and last ends (``_device_ints``)."""
+        return _Ptrs(*(self._device_ints(x) for x in (block.pos, block.first, block.last)))
+
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None, blocks=None):
         """Merge key block ``k``, ``v`` into the state of queries ``q``; ``qb``, ``kb``
         are the masks.intervals.Block of the query and the key rows; ``blocks``, a
-        block-sparse filter on top (``_rectangles``)."""
-        if blocks is not None:
-            acc, m, l = state
-            for qs, ks, qbr, kbr in _rectangles(blocks, qb, kb):
-                self.fwd_block(q[:, :, qs], k[:, :, ks], v[:, :, ks], (acc[:, :, qs], m[:, :, qs], l[:, :, qs]),
-                               qbr, kbr, scale)
-            if poll is not None:
-                poll()
-            return
+        block-sparse filter on top: launched once per rectangle of set blocks
+        (``masks.blocks.BlockFilter.rectangles``), each reading its rows' ends where the
+        whole block's lie on the device."""
         acc, m, l = state
-        B, Zkv, C, g, d = q.shape
-        if self._rows("fwd_block", qb, kb, C, k.shape[2]):  # else no pair: the state stays
-            self._run(kernels.fwd(
-                _dtype_name(q.dtype), d, v.shape[-1], q=self._grouped(q), k=self._keyed(k),
-                v=self._keyed(v), acc=self._grouped(acc), m=self._grouped(m), l=self._grouped(l),
-                qfirst=self._device_ints(qb.first), qlast=self._device_ints(qb.last),
-                kpos=self._device_ints(kb.pos), batch=B, cq=C, ck=k.shape[2], heads=Zkv * g,
-                kv_heads=Zkv, scale=scale, smem_limit=self.smem_limit))
+        C, Ck = q.shape[2], k.shape[2]
+        if self._rows("fwd_block", qb, kb, C, Ck):  # else no pair: the state stays
+            qp, kp = self._ptrs(qb), self._ptrs(kb)
+            rects = [(0, C, 0, Ck)] if blocks is None else blocks.rectangles(qb, kb)
+            for q0, q1, k0, k1 in rects:
+                qs, ks = slice(q0, q1), slice(k0, k1)
+                self._fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], acc[:, :, qs], m[:, :, qs], l[:, :, qs],
+                          qp.at(q0), kp.at(k0), scale)
         if poll is not None:
             poll()
+
+    def _fwd(self, q, k, v, acc, m, l, qp, kp, scale):
+        B, Zkv, C, g, d = q.shape
+        self._run(kernels.fwd(
+            _dtype_name(q.dtype), d, v.shape[-1], q=self._grouped(q), k=self._keyed(k),
+            v=self._keyed(v), acc=self._grouped(acc), m=self._grouped(m), l=self._grouped(l),
+            qfirst=qp.first, qlast=qp.last, kpos=kp.pos, batch=B, cq=C, ck=k.shape[2], heads=Zkv * g,
+            kv_heads=Zkv, scale=scale, smem_limit=self.smem_limit))
 
     def fwd_finalize(self, state, dtype, out=None):
         """(out, lse) from the running state; the kernel writes ``out`` through its strides,
@@ -229,35 +236,33 @@ class KernelBackend:
         the masks.intervals.Block of the query and the key rows (``blocks`` as in
         ``fwd_block``). ``dq=None`` skips the dQ kernel and ``dk=dv=None`` the dK/dV one (the
         two-way ring computes each on its own rank)."""
-        if blocks is not None:
+        C, Ck = q.shape[2], k.shape[2]
+        if self._rows("bwd_block", qb, kb, C, Ck):  # else no pair: nothing to add
+            qp, kp = self._ptrs(qb), self._ptrs(kb)
+            rects = [(0, C, 0, Ck)] if blocks is None else blocks.rectangles(qb, kb)
             cut = lambda x, sl: None if x is None else x[:, :, sl]
-            for qs, ks, qbr, kbr in _rectangles(blocks, qb, kb):
-                self.bwd_block(q[:, :, qs], do[:, :, qs], D[:, :, qs], lse[:, :, qs], k[:, :, ks], v[:, :, ks],
-                               cut(dq, qs), cut(dk, ks), cut(dv, ks), qbr, kbr, scale)
-            if poll is not None:
-                poll()
-            return
-        B, Zkv, C, g, d = q.shape
-        if self._rows("bwd_block", qb, kb, C, k.shape[2]):  # else no pair: nothing to add
-            common = dict(q=self._grouped(q), k=self._keyed(k), v=self._keyed(v),
-                          dout=self._grouped(do), lse=self._grouped(lse), dsum=self._grouped(D),
-                          batch=B, cq=C, ck=k.shape[2], heads=Zkv * g, kv_heads=Zkv, scale=scale,
-                          smem_limit=self.smem_limit)
-            dtype, dvd = _dtype_name(q.dtype), v.shape[-1]
-            # dQ walks key columns from the query rows, dK/dV query columns from the key rows.
-            if dq is not None:
-                self._run(kernels.bwd_dq(dtype, d, dvd, dq=self._grouped(dq),
-                                         qfirst=self._device_ints(qb.first),
-                                         qlast=self._device_ints(qb.last),
-                                         kpos=self._device_ints(kb.pos), **common))
-            if dk is not None:
-                for spec in kernels.bwd_dkdv(dtype, d, dvd, dk=self._keyed(dk), dv_=self._keyed(dv),
-                                             qpos=self._device_ints(qb.pos),
-                                             kfirst=self._device_ints(kb.first),
-                                             klast=self._device_ints(kb.last), **common):
-                    self._run(spec)
+            for q0, q1, k0, k1 in rects:
+                qs, ks = slice(q0, q1), slice(k0, k1)
+                self._bwd(q[:, :, qs], do[:, :, qs], D[:, :, qs], lse[:, :, qs], k[:, :, ks], v[:, :, ks],
+                          cut(dq, qs), cut(dk, ks), cut(dv, ks), qp.at(q0), kp.at(k0), scale)
         if poll is not None:
             poll()
+
+    def _bwd(self, q, do, D, lse, k, v, dq, dk, dv, qp, kp, scale):
+        B, Zkv, C, g, d = q.shape
+        common = dict(q=self._grouped(q), k=self._keyed(k), v=self._keyed(v),
+                      dout=self._grouped(do), lse=self._grouped(lse), dsum=self._grouped(D),
+                      batch=B, cq=C, ck=k.shape[2], heads=Zkv * g, kv_heads=Zkv, scale=scale,
+                      smem_limit=self.smem_limit)
+        dtype, dvd = _dtype_name(q.dtype), v.shape[-1]
+        # dQ walks key columns from the query rows, dK/dV query columns from the key rows.
+        if dq is not None:
+            self._run(kernels.bwd_dq(dtype, d, dvd, dq=self._grouped(dq), qfirst=qp.first, qlast=qp.last,
+                                     kpos=kp.pos, **common))
+        if dk is not None:
+            for spec in kernels.bwd_dkdv(dtype, d, dvd, dk=self._keyed(dk), dv_=self._keyed(dv), qpos=qp.pos,
+                                         kfirst=kp.first, klast=kp.last, **common):
+                self._run(spec)
 
     # -- decode: the local work of burstmpi.KVCache ----------------------------------------
 

@@ -74,7 +74,8 @@ def probs(p, jlo, jhi, g, lse):
     lse makes the visible columns NaN and leaves the others 0: it reaches only the keys
     the row sees)."""
     p -= lse[:, None]
-    np.exp(p, out=p)
+    with np.errstate(over="ignore"):  # masked columns may overflow: they are zeroed next
+        np.exp(p, out=p)
     _hide(p, jlo, jhi, g, 0.0)
 
 

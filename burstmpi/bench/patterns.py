@@ -53,8 +53,9 @@ def _parse(spec):
         raise ValueError(f"{name}: expected numbers (sizes may end in K or M), got {spec!r}") from None
     if name == "blocks" and not 0 <= values[0] <= 1:
         raise ValueError(f"blocks: DENSITY: expected a fraction in [0, 1], got {args[0]}")
-    if any(v < (1 if name in ("chunked", "strided") else 0) for v in values):
-        raise ValueError(f"{name}: expected non-negative arguments (sizes and strides >= 1), got {spec!r}")
+    least = {"chunked": [1], "strided": [1, 0, 1], "blocks": [0, 1], "bigbird": [0, 0, 0, 1]}.get(name, [0, 0])
+    if any(v < m for v, m in zip(values, least)):
+        raise ValueError(f"{name}: expected non-negative arguments, sizes, strides and block sizes >= 1, got {spec!r}")
     return name, values
 
 

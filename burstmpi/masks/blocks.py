@@ -31,33 +31,40 @@ class BlockFilter:
     def __init__(self, bs, plane):
         self.bs, self.plane = int(bs), np.asarray(plane, dtype=bool)
 
-    def row_counts(self, block, other, transpose=False):
+    def row_counts(self, block, other=None, transpose=False):
         """For each row of ``block`` (an ``intervals.Block``), how many positions of the
-        sorted ``other`` lie in its interval and in a set block of its block row (the
-        bitmap read transposed when the rows are keys and ``other`` queries)."""
+        sorted ``other`` (None: every position of the sequence) lie in its interval and in
+        a set block of its block row (the bitmap read transposed when the rows are keys
+        and ``other`` queries)."""
         plane = self.plane.T if transpose else self.plane
         bs, n = self.bs, len(block.pos)
-        out = np.zeros(n, np.int64)
-        if n == 0 or len(other) == 0:
-            return out
-        other = np.asarray(other, np.int64)
         ncol = plane.shape[1]
-        per_block = np.bincount(np.minimum(other // bs, ncol - 1), minlength=ncol)
-        rows_b = np.minimum(block.pos // bs, plane.shape[0] - 1)
+        out = np.zeros(n, np.int64)
+        if n == 0 or (other is not None and len(other) == 0):
+            return out
+        if other is None:  # every position (intervals end inside the sequence: a full last block is safe)
+            per_block = np.full(ncol, bs, np.int64)
+        else:
+            other = np.asarray(other, np.int64)
+            per_block = np.bincount(other // bs, minlength=ncol)
+        rows_b = block.pos // bs
         ub, inv = np.unique(rows_b, return_inverse=True)
         lo, hi = np.maximum(block.first, 0), np.minimum(block.last, ncol * bs - 1)
         step = max(1, _CHUNK // (ncol + 1))
         for a in range(0, len(ub), step):  # block rows in chunks: prefix sums stay small
-            sel = (inv >= a) & (inv < a + step)
-            rows = np.nonzero(sel)[0]
-            prefix = np.zeros((min(step, len(ub) - a), ncol + 1), np.int64)
-            np.cumsum(plane[ub[a:a + step]] * per_block, axis=1, out=prefix[:, 1:])
+            rows = np.nonzero((inv >= a) & (inv < a + step))[0]
+            planes = plane[ub[a:a + step]]
+            prefix = np.zeros((len(planes), ncol + 1), np.int64)
+            np.cumsum(planes * per_block, axis=1, out=prefix[:, 1:])
             r = inv[rows] - a
 
-            def G(x):  # keys of ``other`` at or before x in set blocks of each row's block row
+            def G(x):  # positions of ``other`` at or before x in set blocks of each row's block row
                 c = np.clip(x // bs, 0, ncol - 1)
-                inside = np.searchsorted(other, x, "right") - np.searchsorted(other, c * bs, "left")
-                return np.where(x < 0, 0, prefix[r, c] + plane[ub[a:a + step]][r, c] * np.maximum(inside, 0))
+                if other is None:
+                    inside = x - c * bs + 1
+                else:
+                    inside = np.searchsorted(other, x, "right") - np.searchsorted(other, c * bs, "left")
+                return np.where(x < 0, 0, prefix[r, c] + planes[r, c] * np.maximum(inside, 0))
 
             ok = hi[rows] >= lo[rows]
             out[rows] = np.where(ok, G(hi[rows]) - G(lo[rows] - 1), 0)
@@ -67,12 +74,11 @@ class BlockFilter:
         """Visible pairs of a query block and the keys at sorted ``kpos``."""
         return int(self.row_counts(qblock, kpos).sum())
 
-    def needed(self, block, own, seqlen, role):
+    def needed(self, block, own, role):
         """Rows of ``block`` (``role`` "q" or "k") that see, or are seen by, a position that
         ``own`` (the rank's sorted positions) does not hold."""
-        every = np.arange(seqlen, dtype=np.int64)
         t = role == "k"
-        return self.row_counts(block, every, t) > self.row_counts(block, own, t)
+        return self.row_counts(block, None, t) > self.row_counts(block, own, t)
 
     def tile_visible(self, qpos, kpos):
         """Set bits for tiles whose first rows are at ``qpos`` and first columns at ``kpos``

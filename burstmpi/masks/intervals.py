@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["UNBOUNDED", "EMPTY", "FULL", "PARTIAL", "Bounds", "Mask", "Block",
+__all__ = ["UNBOUNDED", "EMPTY", "FULL", "PARTIAL", "Bounds", "Docs", "Mask", "Block",
            "classify_tiles", "tile_mask", "count_visible"]
 
 UNBOUNDED = 1 << 62
@@ -72,12 +72,33 @@ class Block(NamedTuple):
 
     ``pos`` are the rows' global positions, increasing; ``first``/``last`` bound the
     positions the rows see on the other side: keys for a query block, queries for a
-    key block; ``start`` is where each row's document starts (0 without documents), so
-    a tiled backend can align its tiles to documents."""
+    key block (first > last: none); ``start`` is where each row's document starts (0
+    without documents), or its chunk or block where a mask cuts finer (``terms``), so a
+    tiled backend can align its tiles to where the mask's structure changes."""
     pos: np.ndarray
     first: np.ndarray
     last: np.ndarray
     start: np.ndarray
+
+
+class Docs:
+    """Where each position's document starts and ends: ``cu_seqlens`` (validated offsets,
+    0 .. seqlen) or one document of ``seqlen`` tokens."""
+
+    def __init__(self, seqlen, cu_seqlens=None):
+        self.seqlen = int(seqlen)
+        self.cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
+        if self.cu is not None and np.count_nonzero(np.diff(self.cu)) <= 1:
+            self.cu = None  # a pack of one document is no pack
+
+    def range(self, pos):
+        """(start, end) of the document holding each position (end exclusive)."""
+        if self.cu is None:
+            return np.zeros_like(pos), np.full_like(pos, self.seqlen)
+        # side="right" skips empty documents (repeated offsets).
+        doc = np.searchsorted(self.cu, pos, side="right") - 1
+        doc = np.clip(doc, 0, len(self.cu) - 2)
+        return self.cu[doc], self.cu[doc + 1]
 
 
 class Mask:
@@ -86,24 +107,13 @@ class Mask:
 
     def __init__(self, window, seqlen, cu_seqlens=None):
         self.window, self.seqlen = window, int(seqlen)
-        self.cu_seqlens = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
-        # A pack of one document is no pack: the window alone says it all.
-        if self.cu_seqlens is not None and np.count_nonzero(np.diff(self.cu_seqlens)) <= 1:
-            self.cu_seqlens = None
+        self.docs = Docs(seqlen, cu_seqlens)
+        self.cu_seqlens = self.docs.cu
         self.dense = window.dense and self.cu_seqlens is None
-
-    def _doc_range(self, pos):
-        """(start, end) of the document holding each position: [0, seqlen) without documents."""
-        if self.cu_seqlens is None:
-            return np.zeros_like(pos), self.seqlen
-        # side="right" skips empty documents (repeated offsets): the last offset <= pos
-        # starts the document that really holds pos.
-        doc = np.searchsorted(self.cu_seqlens, pos, side="right") - 1
-        return self.cu_seqlens[doc], self.cu_seqlens[doc + 1]
 
     def _block(self, pos, before, after):
         pos = np.asarray(pos, dtype=np.int64)
-        start, end = self._doc_range(pos)
+        start, end = self.docs.range(pos)
         return Block(pos, np.maximum(pos - min(before, self.seqlen), start),
                      np.minimum(pos + min(after, self.seqlen), end - 1), start)
 

@@ -31,6 +31,7 @@ import numbers
 import numpy as np
 
 from . import terms as T
+from .intervals import Docs
 
 __all__ = ["Mask", "Causal", "Window", "Sinks", "Chunked", "BlockSparse", "PerHead"]
 
@@ -42,7 +43,7 @@ def _int(cls, name, value, least):
 
 
 def _doc_start(pos, seqlen, cu_seqlens):
-    return T.Docs(seqlen, cu_seqlens).range(np.asarray(pos, dtype=np.int64))[0]
+    return Docs(seqlen, cu_seqlens).range(np.asarray(pos, dtype=np.int64))[0]
 
 
 class Mask:
@@ -268,10 +269,29 @@ class PerHead(Mask):
         return f"PerHead({self.masks!r})"
 
 
+def _grids(mask, head):
+    """(block size, grid) of every BlockSparse piece of ``mask`` that query head ``head`` uses."""
+    if isinstance(mask, BlockSparse):
+        return {(mask.block_size, mask.blocks.shape[-2:])}
+    if isinstance(mask, PerHead):
+        return _grids(mask.masks[head], 0)
+    if isinstance(mask, _Combined):
+        return _grids(mask.a, head) | _grids(mask.b, head)
+    return set()
+
+
 class _Combined(Mask):
     def __init__(self, a, b):
         if a.heads is not None and b.heads is not None and a.heads != b.heads:
-            raise ValueError(f"mask {self.OP}: per-head masks for {a.heads} and {b.heads} heads")
+            raise ValueError(f"mask {self.OP}: expected per-head masks for the same number of heads, got "
+                             f"{a.heads} and {b.heads}")
+        grids = set()
+        for h in range(a.heads or b.heads or 1):  # the pieces one head combines
+            if len(grids) <= 1:
+                grids = _grids(a, h) | _grids(b, h)
+        if len(grids) > 1:
+            raise ValueError(f"mask {self.OP}: BlockSparse pieces: expected one block size and grid, got "
+                             + ", ".join(f"block_size {bs} ({g[0]}x{g[1]} blocks)" for bs, g in sorted(grids)))
         self.a, self.b = a, b
         self.heads = a.heads if a.heads is not None else b.heads
 

@@ -6,15 +6,17 @@ never decrease along a block's rows (``intervals``). Every public mask
 (``burstmpi.masks``) lowers to a few of those, exactly:
 
 * an **atom** is a monotone interval per query position: a window ``[i - lo, i + hi]``,
-  a document's first ``n`` tokens (sinks), the query's chunk, one block diagonal of a
-  block-sparse mask, or the part of the line before / after another term's interval;
+  a document's first ``n`` tokens (sinks), the query's chunk, or the part of the line
+  before / after another term's interval; a block-sparse mask's bitmap rides on a term
+  as a filter (``Filter``, applied per tile: ``blocks``), never as intervals;
 * a **term** is the intersection of atoms and the query's document: the largest first
   end and the smallest last end, both still non-decreasing, so a term is one interval
   per row, exactly what a ring step already computes;
 * a mask is a **disjoint union of terms** (per head): ``a & b`` intersects every term of
   ``a`` with every term of ``b`` (pairwise disjoint still), ``a | b`` keeps ``a``'s terms
   and adds each term of ``b`` minus ``a``'s (a term minus another is two terms: the part
-  before it and the part after it).
+  before it and the part after it, and a third, inside it where its blocks are unset,
+  when it has a filter).
 
 Because the terms are disjoint, attention under the union is the terms' results merged:
 the forward's online softmax merges each term's keys into the same running state, and the
@@ -37,32 +39,12 @@ import hashlib
 import numpy as np
 
 from .blocks import BlockFilter
-from .intervals import Block
+from .intervals import Block, Docs
 
-__all__ = ["Docs", "Win", "Sink", "Chunk", "Before", "After", "Filter", "Terms", "conj", "disj", "complement",
+__all__ = ["Docs", "Win", "Sink", "Chunk", "Before", "After", "Filter", "conj", "disj", "complement",
            "Lowered", "lower", "MAX_TERMS"]
 
 BIG = 1 << 62  # an unbounded side; positions stay far from int64's ends (see Win)
-
-
-class Docs:
-    """Where each position's document starts and ends: ``cu_seqlens`` (validated offsets,
-    0 .. seqlen) or one document of ``seqlen`` tokens."""
-
-    def __init__(self, seqlen, cu_seqlens=None):
-        self.seqlen = int(seqlen)
-        self.cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
-        if self.cu is not None and np.count_nonzero(np.diff(self.cu)) <= 1:
-            self.cu = None  # a pack of one document is no pack
-
-    def range(self, pos):
-        """(start, end) of the document holding each position (end exclusive)."""
-        if self.cu is None:
-            return np.zeros_like(pos), np.full_like(pos, self.seqlen)
-        # side="right" skips empty documents (repeated offsets).
-        doc = np.searchsorted(self.cu, pos, side="right") - 1
-        doc = np.clip(doc, 0, len(self.cu) - 2)
-        return self.cu[doc], self.cu[doc + 1]
 
 
 # -- atoms: monotone intervals of key positions, per query position ---------------------
@@ -170,15 +152,12 @@ class After:
 class Filter:
     """A block-sparse mask's bitmap: query i may see key j only if ``plane[i // bs, j // bs]``.
     Not an interval: it leaves the bounds alone and rides on its term as a filter that the
-    tile loops apply per tile (``blocks.BlockFilter``); ``negated`` gives the complement."""
+    tile loops apply per tile (``blocks.BlockFilter``)."""
 
-    def __init__(self, bs, plane, digest=None):
+    def __init__(self, bs, plane):
         self.bs, self.plane = int(bs), plane
-        self.digest = digest or hashlib.sha256(np.packbits(plane).tobytes() + str(plane.shape).encode()).hexdigest()[:16]
-        self.key = ("filter", self.bs, self.digest)
-
-    def negated(self):
-        return Filter(self.bs, ~self.plane)
+        digest = hashlib.sha256(np.packbits(plane).tobytes() + str(plane.shape).encode()).hexdigest()[:16]
+        self.key = ("filter", self.bs, digest)
 
     def bounds(self, pos, start, end, n):
         return pos - n - 1, pos + n + 1
@@ -253,8 +232,8 @@ def term_filter(term):
         return None
     bs = planes[0].bs
     if any(p.bs != bs or p.plane.shape != planes[0].plane.shape for p in planes):
-        raise ValueError("mask: BlockSparse pieces combined with & or | must share one block size; got "
-                         + ", ".join(str(p.bs) for p in planes))
+        raise ValueError("mask: BlockSparse pieces combined with & or |: expected one block size and grid, got "
+                         + ", ".join(f"{p.bs} ({p.plane.shape[0]}x{p.plane.shape[1]} blocks)" for p in planes))
     plane = planes[0].plane
     for p in planes[1:]:
         plane = plane & p.plane
@@ -267,64 +246,47 @@ def term_filter(term):
 MAX_TERMS = 4096  # per head: past this a mask is refused by name, not planned for minutes
 
 
-class Terms(list):
-    """A list of disjoint terms. ``ordered``: on every row each term's interval (or, where
-    it is empty, its position) lies after the previous term's, as a block-sparse mask's
-    diagonals do; the complement is then the gaps between them, not 2^k pieces."""
-
-    def __init__(self, items=(), ordered=False):
-        super().__init__(items)
-        self.ordered = ordered or len(self) <= 1
-
-
 def conj(a, b):
-    """Terms of the intersection of two disjoint unions: pairwise intersections (order is
-    kept when one side is a single term: clipping every term to one interval keeps them
-    in order)."""
-    a, b = Terms(a, getattr(a, "ordered", False)), Terms(b, getattr(b, "ordered", False))
-    return _capped(Terms([x + y for x in a for y in b],
-                         (a.ordered and len(b) == 1) or (b.ordered and len(a) == 1)))
+    """Terms of the intersection of two disjoint unions: pairwise intersections."""
+    return _capped([x + y for x in a for y in b])
+
+
+def _parts(term):
+    """Disjoint terms covering the line outside ``term``: before its interval, after it,
+    and (with a filter) inside it where its blocks are unset. A term that is only a
+    filter has nothing before or after it inside a document: one part."""
+    interval = tuple(a for a in term if not isinstance(a, Filter))
+    f = term_filter(term)
+    parts = [] if f is not None and not interval else [(Before(interval),), (After(interval),)]
+    if f is not None:
+        parts.append(interval + (Filter(f.bs, ~f.plane),))
+    return parts
 
 
 def complement(terms):
-    """Disjoint terms covering exactly what none of ``terms`` covers: the gaps between
-    ordered terms (k + 1 pieces), else every choice of before/after each term (2^k)."""
-    if not terms:
-        return [()]
-    if terms.ordered and not any(isinstance(a, Filter) for t in terms for a in t):
-        gaps = [(Before(terms[0]),)]
-        gaps += [(After(x), Before(y)) for x, y in zip(terms, terms[1:])]
-        return gaps + [(After(terms[-1]),)]
+    """Disjoint terms covering exactly what none of ``terms`` covers: every choice of one
+    part outside each term (``_parts``)."""
     pieces = [()]
     for o in terms:
-        # Outside a term: before its interval, after it, or inside it where its blocks are
-        # not set (a term without blocks has no third part).
-        interval = tuple(a for a in o if not isinstance(a, Filter))
-        filters = [a for a in o if isinstance(a, Filter)]
-        parts = [(Before(interval),), (After(interval),)]
-        if filters:
-            f = term_filter(o)
-            parts.append(interval + (Filter(f.bs, ~f.plane),))
-        pieces = [p + q for p in pieces for q in parts]
-        _capped(pieces)
+        pieces = _capped([p + q for p in pieces for q in _parts(o)])
     return pieces
 
 
 def disj(a, b):
     """Terms of the union of two disjoint unions: one side's terms, then each of the
     other's intersected with the first side's complement. The side subtracted is the one
-    that makes fewer terms."""
-    a, b = Terms(a, getattr(a, "ordered", False)), Terms(b, getattr(b, "ordered", False))
-    cost = lambda x, y: len(y) * ((len(x) + 1) if x.ordered else 2 ** min(len(x), 30))
-    if cost(b, a) < cost(a, b):
+    whose complement has fewer terms."""
+    size = lambda x: int(np.prod([len(_parts(t)) for t in x], dtype=np.float64)) if x else 1
+    if size(b) * len(a) < size(a) * len(b):
         a, b = b, a
-    return _capped(Terms(list(a) + [t + c for t in b for c in complement(a)]))
+    outside = complement(a)
+    return _capped(list(a) + [t + c for t in b for c in outside])
 
 
 def _capped(terms):
     if len(terms) > MAX_TERMS:
-        raise ValueError(f"mask: lowers to more than {MAX_TERMS} interval terms per head; combine "
-                         "block-sparse pieces in one BlockSparse (the union or intersection of their "
+        raise ValueError(f"mask: expected at most {MAX_TERMS} interval terms per head, got {len(terms)} or more; "
+                         "combine block-sparse pieces in one BlockSparse (the union or intersection of their "
                          "arrays) instead of with | and &")
     return terms
 
@@ -339,6 +301,8 @@ class Lowered:
 
     def __init__(self, groups, docs, nheads=None):
         self.groups, self.docs, self.nheads = groups, docs, nheads
+        # Each term's block filter, built once (an ANDed bitmap is a new array).
+        self.filters = [[term_filter(t) for t in terms] for _, terms in groups]
         self.seqlen = docs.seqlen
         self.dense = (docs.cu is None and len(groups) == 1 and groups[0][0] is None
                       and [len(t) for t in groups[0][1]] == [0])
@@ -348,7 +312,7 @@ class Lowered:
         start, end = self.docs.range(pos)
         n = self.seqlen
         out = []
-        for heads, terms in self.groups:
+        for (heads, terms), filters in zip(self.groups, self.filters):
             blocks = []
             for term in terms:
                 if dual:
@@ -357,7 +321,7 @@ class Lowered:
                     first, last = term_bounds(term, pos, start, end, n)
                 blocks.append(Block(pos, np.asarray(first, np.int64), np.asarray(last, np.int64),
                                     np.asarray(term_seg(term, pos, start), np.int64)))
-            out.append((heads, blocks, [term_filter(t) for t in terms]))
+            out.append((heads, blocks, filters))
         return out
 
     def query_blocks(self, pos):
