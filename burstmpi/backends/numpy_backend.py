@@ -278,11 +278,15 @@ class NumpyBackend:
         tq, tk = max(1, self.tile_q // g), self.tile_k
         # A narrow band of visible keys (a sliding window, or short documents) leaves most
         # of a large tile masked away: shrink the tiles towards half the widest query's
-        # visible span.
+        # visible span. The query tiles only where the band slides along the rows: a few
+        # columns every row sees (attention sinks) keep tall tiles (a row of small items
+        # costs more in overhead than its GEMMs).
         width = int((qb.last - qb.first).max(initial=0)) + 1
         if width < 2 * tk:
             t = max(64, 1 << int(width // 2).bit_length())
-            tq, tk = min(tq, max(1, t // g)), min(tk, t)
+            n = len(qb.first)
+            slides = n > 1 and 2 * int(qb.first[-1] - qb.first[0]) >= n - 1
+            tq, tk = (min(tq, max(1, t // g)) if slides else tq), min(tk, t)
         return _tile_plan(qb, kb, tq, tk, blocks)
 
     # -- forward ----------------------------------------------------------------------
