@@ -7,6 +7,7 @@ hang fails the test instead of stalling CI. Skipped when already running under m
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -116,6 +117,24 @@ def test_examples_train_the_same_at_one_and_two_ranks(framework):
         assert len(losses[n]) == 5, out[-3000:]
     assert losses[1][-1] < losses[1][0]
     assert max(abs(a - b) for a, b in zip(losses[1], losses[2])) < 1e-3, losses
+
+
+def test_streaming_decode_example_at_two_ranks():
+    """examples/streaming_decode.py: sinks and a window decoding past the capacity, checked
+    against float64 under the same mask, the same bits on every rank."""
+    rc, out, _ = mpiexec(2, [str(EXAMPLES / "streaming_decode.py"), "600"], timeout=300)
+    assert rc == 0, out[-3000:]
+    m = re.search(r"largest error against float64 ([0-9.e+-]+);.*the same bits on every rank: True", out)
+    assert m and float(m.group(1)) < 1e-5, out[-2000:]
+
+
+def test_mask_planning_example():
+    """examples/mask_planning.py at 64K tokens: both masks planned, in well under a minute."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "mask_planning.py"), "65536", "4"], capture_output=True,
+                          text=True, timeout=300, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    times = [float(x) for x in re.findall(r"planned in ([0-9.]+) s", proc.stdout)]
+    assert len(times) == 2 and max(times) < 60, proc.stdout
 
 
 @pytest.mark.parametrize("where", ["before the ring", "inside the ring"])

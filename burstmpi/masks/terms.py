@@ -21,8 +21,9 @@ never decrease along a block's rows (``intervals``). Every public mask
 Because the terms are disjoint, attention under the union is the terms' results merged:
 the forward's online softmax merges each term's keys into the same running state, and the
 backward's gradients (built from the global lse) simply add. So a ring step runs its block
-pair once per term that has a visible pair there, and each run is a plain interval mask:
-no kernel needed to change, and every backend takes every mask.
+pair once per term that has a visible pair there, and each run is a plain interval mask
+(with, for block-sparse pieces, the bitmap on top): no backend needed a new mask form,
+and every backend takes every mask.
 
 A row that sees nothing in a term has an empty interval (first > last) placed so that the
 ends stay monotone; the tile logic treats it as it treats any row outside a window.
@@ -41,7 +42,7 @@ import numpy as np
 from .blocks import BlockFilter
 from .intervals import Block, Docs
 
-__all__ = ["Docs", "Win", "Sink", "Chunk", "Before", "After", "Filter", "conj", "disj", "complement",
+__all__ = ["Win", "Sink", "Chunk", "Before", "After", "Filter", "conj", "disj", "complement",
            "Lowered", "lower", "MAX_TERMS"]
 
 BIG = 1 << 62  # an unbounded side; positions stay far from int64's ends (see Win)
