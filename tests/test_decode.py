@@ -358,18 +358,44 @@ def test_load_past_the_capacity_or_a_rank_s_slots_raises_everywhere():
             cache.load(*mine)
 
 
+def _held_positions(cache):
+    """Every position the cache holds, over all ranks (each held once)."""
+    held = np.concatenate(COMM.allgather(cache.shard()[2]))
+    assert len(held) == len(set(held.tolist())), "a position held twice"
+    return set(held.tolist())
+
+
+def _assert_streaming(cache, sinks, left, Z=4):
+    """After a run: the sinks and the window's live tail are held, no more than the sinks
+    and the window's slots, and a call moved what it moves without sinks: a header and
+    one partial (out and lse) per row."""
+    S = cache.seqlen
+    held = _held_positions(cache)
+    assert set(range(min(sinks, S))) <= held and set(range(max(sinks, S - left), S)) <= held, (S, sorted(held))
+    assert len(held) <= sinks + NRANKS * cache.slots
+    acc = 8 if cache.dtype == np.float64 else 4
+    st = cache.last_stats
+    assert st.message_bytes == 32 + cache.batch * st.tokens * Z * (cache.v_head_dim + 1) * acc
+    assert st.bytes_moved == (NRANKS - 1) * st.message_bytes
+
+
 @pytest.mark.parametrize("N0,layout", [(0, "contiguous"), (3, "zigzag"), (41, "contiguous"), (41, "striped")])
 def test_sinks_and_a_window_forever(N0, layout):
     """StreamingLLM: capacity = sinks + left + T serves decode calls indefinitely; a prompt
     longer than the capacity prefills and keeps only the sinks and the window's tail."""
     sinks, left = 3, 6
-    run_cache(N0=N0, Ts=(1,) * 40 + (2, 1, 2), window=(left, 0), sinks=sinks, capacity=sinks + left + 2,
-              layout=layout, tag="decode sinks ")
+    cache = run_cache(N0=N0, Ts=(1,) * 40 + (2, 1, 2), window=(left, 0), sinks=sinks, capacity=sinks + left + 2,
+                      layout=layout, tag="decode sinks ")
+    assert cache.seqlen == N0 + 45
+    _assert_streaming(cache, sinks, left)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sinks_every_dtype(dtype):
-    run_cache(N0=17, Ts=(1, 3, 1, 1), window=(4, 0), sinks=2, capacity=2 + 4 + 3, dtype=dtype, tag="decode sinks ")
+    cache = run_cache(N0=17, Ts=(1, 3, 1, 1), window=(4, 0), sinks=2, capacity=2 + 4 + 3, dtype=dtype,
+                      tag="decode sinks ")
+    assert cache.seqlen == 23 and cache.dtype == dtype_of(dtype)
+    _assert_streaming(cache, 2, 4)
 
 
 def test_sinks_memory_and_errors():
@@ -390,5 +416,8 @@ def test_sinks_memory_and_errors():
 
 def test_windowed_prefill_with_more_kv_heads_than_slots():
     """The live tail's slot check counts tokens (a windowed cache of few slots, many KV heads)."""
-    run_cache(N0=9 * NRANKS, Ts=(1, 1), Zkv=8, Z=8, window=(3, 0), capacity=5, tag="decode ")
-    run_cache(N0=9 * NRANKS, Ts=(1, 1), Zkv=8, Z=8, window=(3, 0), sinks=1, capacity=6, tag="decode sinks ")
+    cache = run_cache(N0=9 * NRANKS, Ts=(1, 1), Zkv=8, Z=8, window=(3, 0), capacity=5, tag="decode ")
+    assert set(range(9 * NRANKS - 1, 9 * NRANKS + 2)) <= _held_positions(cache)
+    cache = run_cache(N0=9 * NRANKS, Ts=(1, 1), Zkv=8, Z=8, window=(3, 0), sinks=1, capacity=6,
+                      tag="decode sinks ")
+    _assert_streaming(cache, 1, 3, Z=8)
