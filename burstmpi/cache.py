@@ -505,7 +505,9 @@ class KVCache:
 
     def _slots_for(self, fn, T):
         """The slots the new tokens this rank owns go to, and what they held before
-        (restored if the call fails): ``(tokens, slots, old positions, n, head)``."""
+        (restored if the call fails): ``(tokens, slots, old positions, n, head, sink
+        tokens)``; the last are this call's tokens that are sinks, which go to the sinks'
+        storage instead."""
         P, me, S = self.runtime.nranks, self.runtime.rank, self.seqlen
         if self.left < 0 and S + T > self.capacity:
             raise ValueError(f"{fn}: the cache is full: capacity={self.capacity} tokens, {S} cached, "
@@ -517,6 +519,7 @@ class KVCache:
                              f"{live} tokens" + (f", the {self.sinks} sinks" if self.sinks else "")
                              + f" and its {T - new_sinks} new ones, more than capacity={self.capacity}")
         tokens = [t for t in range(new_sinks, T) if (S + t) % P == me]
+        sink_tokens = [t for t in range(new_sinks) if (S + t) % P == me]
         n, head, slots = self._n, self._head, []
         oldest_seen = S - self.left  # the first new query sees positions from here on
         for _ in tokens:
@@ -529,7 +532,7 @@ class KVCache:
             else:
                 raise ValueError(f"{fn}: the cache is full on rank {me}: its {self.slots} slots hold "
                                  f"tokens a new query still sees (capacity={self.capacity})")
-        return tokens, slots, self._kpos_host[slots].copy(), n, head
+        return tokens, slots, self._kpos_host[slots].copy(), n, head, sink_tokens
 
     def _write(self, k, v, tokens, slots):
         if not tokens:
@@ -597,9 +600,7 @@ class KVCache:
             sig = [("T", T), ("heads", Z), ("seqlen", self.seqlen),
                    ("q", fingerprint(_host(h["q"]))), ("k", fingerprint(_host(h["k"]))),
                    ("v", fingerprint(_host(h["v"])))]
-            tokens, slots, old, n, head = self._slots_for(fn, T)
-            sink_tokens = [t for t in range(max(0, min(T, self.sinks - self.seqlen)))
-                           if (self.seqlen + t) % rt.nranks == rt.rank]
+            tokens, slots, old, n, head, sink_tokens = self._slots_for(fn, T)
             with abort_on_device_error(rt.comm):
                 self._write(h["k"], h["v"], tokens, slots)
                 ns = self._ns
