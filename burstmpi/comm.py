@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["private_comm", "complete", "MPITransport", "StagedMPITransport", "Channel", "PartialChannel",
-           "field_bytes"]
+           "field_bytes", "Packet", "rows_bytes"]
 
 # Every field of a packet starts on a 16-byte boundary: the CUDA kernels copy rows with
 # 16-byte cp.async, and views into one buffer keep the alignment only if each field does.
@@ -138,11 +138,13 @@ class StagedMPITransport(MPITransport):
         self._hosts = {}
 
     def _host(self, buf, role):
-        key = (role, buf.nbytes, _address(buf))
+        """The host copy of ``buf``: one per (role, device address), grown to the largest
+        message sent from that address (packets shrink on their way; ``Packet``)."""
+        key = (role, _address(buf))
         host = self._hosts.get(key)
-        if host is None:
+        if host is None or host.nbytes < buf.nbytes:
             host = self._hosts[key] = self._alloc_host(buf.nbytes)
-        return host
+        return host[:buf.nbytes]
 
     def isend(self, buf, dest, tag):
         host = self._host(buf, "send")
@@ -189,8 +191,55 @@ def _packet(fields, alloc):
     return raw, views
 
 
+def _with_rows(fields, n):
+    """``fields`` with ``n`` rows (every ring field has its rows on axis 2)."""
+    return [(name, (*shape[:2], n, *shape[3:]), dt) for name, shape, dt in fields]
+
+
+def rows_bytes(fields, n):
+    """Bytes of a packet of ``fields`` holding ``n`` rows."""
+    return sum(field_bytes(shape, dt) for _, shape, dt in _with_rows(fields, n))
+
+
+class Packet:
+    """A buffer for one packet of up to ``rows`` rows (the fields' axis 2).
+
+    A packet of n rows lies at the start of the buffer with its fields back to back, each
+    shaped for n rows: it is one message of ``nbytes(n)`` bytes, and the kernels read every
+    field as if it had been allocated for n rows. That is what lets a packet shrink on its
+    way around the ring (``Geometry.route``) while staying a single contiguous message."""
+
+    def __init__(self, fields, alloc):
+        # Fields without a rows axis (tests' toy packets) make a packet of fixed size.
+        self.fields = fields
+        self.rows = fields[0][1][2] if all(len(shape) > 2 for _, shape, _ in fields) else None
+        self.raw, full = _packet(fields, alloc)
+        self._views = {self.rows: full}
+
+    def nbytes(self, n):
+        return self.raw.nbytes if n == self.rows else rows_bytes(self.fields, n)
+
+    def message(self, n):
+        """The bytes of a packet of ``n`` rows."""
+        return self.raw[:self.nbytes(n)]
+
+    def views(self, n):
+        """The fields of a packet of ``n`` rows (cached)."""
+        v = self._views.get(n)
+        if v is None:
+            raw = self.raw
+            v = self._views[n] = _packet(_with_rows(self.fields, n), lambda size: raw[:size])[1]
+        return v
+
+
 class Channel:
-    """Two copies of one packet circulating around the ring."""
+    """Two copies of one packet circulating around the ring.
+
+    A packet may hold fewer rows than the most (``Packet``): the owner says how many it
+    fills (``fill``), and each step how many rows go on (``post(send_rows=...)``, the
+    farthest-reaching first, so they are a prefix) and how many arrive (``recv_rows``).
+    When fewer rows go on than arrived, they are first copied into a staging packet
+    allocated on first use by ``stage``; without row counts every packet is full."""
 
     @staticmethod
     def copies(single):
@@ -198,45 +247,74 @@ class Channel:
         spare would never be used."""
         return 1 if single else 2
 
-    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False, stage=None):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
-        bufs = [_packet(fields, alloc) for _ in range(self.copies(single))]
+        bufs = [Packet(fields, alloc) for _ in range(self.copies(single))]
         self._bufs = bufs * 2 if single else bufs  # current and spare
-        self.nbytes = bufs[0][0].nbytes
+        self.rows = bufs[0].rows
+        self.nbytes = bufs[0].raw.nbytes
+        self._held = [self.rows, self.rows]  # rows of the packet in each buffer
+        self._stage_alloc, self._stage = stage, None
         self._cur = 0
         self._pending = None
         self.bytes_sent = self.bytes_recv = 0
 
     def begin(self):
-        """A phase starts (``Runtime.channels``): its byte counts start from zero."""
+        """A phase starts (``Runtime.channels``): its byte counts start from zero, and the
+        packets are full until told otherwise."""
         self.bytes_sent = self.bytes_recv = 0
+        self._held = [self.rows, self.rows]
 
     @property
     def current(self):
         """The views of the packet the ring step computes on."""
-        return self._bufs[self._cur][1]
+        return self._bufs[self._cur].views(self._held[self._cur])
 
-    def post(self, *, send, recv):
-        """Post the send of the current packet and the receive into the spare one."""
+    def fill(self, n):
+        """The views of this rank's own packet of ``n`` rows, to write it (step 0)."""
+        self._held[self._cur] = n
+        return self.current
+
+    def post(self, *, send, recv, send_rows=None, recv_rows=None):
+        """Post the send of the current packet (its first ``send_rows`` rows) and the
+        receive into the spare one (a packet of ``recv_rows`` rows)."""
         if self._pending is not None:
             raise RuntimeError(f"{type(self).__name__}.post: the previous transfer has not been waited for")
         reqs = []
         if send:
-            reqs.append(self.transport.isend(self._outgoing(), self.send_to, self.tag))
-            self.bytes_sent += self.nbytes
+            out, n = self._outgoing(send_rows)
+            reqs.append(self.transport.isend(out, self.send_to, self.tag))
+            self.bytes_sent += n
         if recv:
-            reqs.append(self.transport.irecv(self._incoming(), self.recv_from, self.tag))
-            self.bytes_recv += self.nbytes
+            into, n = self._incoming(recv_rows)
+            reqs.append(self.transport.irecv(into, self.recv_from, self.tag))
+            self.bytes_recv += n
         self._pending = (reqs, recv)
 
-    # What a step sends and receives into, and what an arrival changes (``shm.ShmChannel``
-    # moves tokens instead of packets).
-    def _outgoing(self):
-        return self._bufs[self._cur][0]
+    # What a step sends and receives into (each with the packet bytes it stands for), and
+    # what an arrival changes (``shm.ShmChannel`` moves tokens instead of packets).
+    def _outgoing(self, n):
+        held, packet = self._held[self._cur], self._bufs[self._cur]
+        n = held if n is None else n
+        if n != held and (held is None or n > held):
+            raise ValueError(f"{type(self).__name__}.post: send_rows: expected at most the {held} rows held, got {n}")
+        if n == held:
+            out = packet.message(n)
+            return out, out.nbytes
+        if self._stage is None:  # the rows going on are a prefix of a packet laid out for more
+            self._stage = Packet(packet.fields, self._stage_alloc or (lambda size: np.empty(size, np.uint8)))
+        views = self._stage.views(n)
+        for name, view in packet.views(held).items():
+            views[name][...] = view[:, :, :n]
+        out = self._stage.message(n)
+        return out, out.nbytes
 
-    def _incoming(self):
-        return self._bufs[1 - self._cur][0]
+    def _incoming(self, n):
+        n = self.rows if n is None else n
+        self._held[1 - self._cur] = n
+        into = self._bufs[1 - self._cur].message(n)
+        return into, into.nbytes
 
     def _arrived(self):
         self._cur = 1 - self._cur
@@ -261,7 +339,11 @@ class Channel:
 
 
 class PartialChannel:
-    """A gradient partial travelling one ring step behind its packet."""
+    """A gradient partial travelling one ring step behind its packet.
+
+    A partial holds as many rows as its packet had when it left its owner (``rows`` in
+    ``post_recv`` and ``send_buffer``; all of them when not given), in the same layout as
+    ``Packet``: one message of just those rows."""
 
     @staticmethod
     def copies(single):
@@ -269,29 +351,33 @@ class PartialChannel:
         ring of one rank has no partials, so one (unused) buffer stands for all three."""
         return 1 if single else 3
 
-    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False, stage=None):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
-        bufs = [_packet(fields, alloc) for _ in range(self.copies(single))]
+        bufs = [Packet(fields, alloc) for _ in range(self.copies(single))]
         if single:
             bufs = bufs * 3
         self._recv, self._send = bufs[0], bufs[1:3]
+        self.rows = bufs[0].rows
         self._send_reqs = [None, None]
         self._next = 0
         self._recv_req = None
-        self.nbytes = self._recv[0].nbytes
+        self._recv_rows = self._send_rows = self.rows
+        self.nbytes = self._recv.raw.nbytes
         self.bytes_sent = self.bytes_recv = 0
 
     def begin(self):
         """A phase starts (``Runtime.channels``): its byte counts start from zero."""
         self.bytes_sent = self.bytes_recv = 0
 
-    def post_recv(self, source=None):
+    def post_recv(self, source=None, rows=None):
         if self._recv_req is not None:
             raise RuntimeError("PartialChannel.post_recv: the previous receive is still pending")
         src = self.recv_from if source is None else source
-        self._recv_req = self.transport.irecv(self._recv[0], src, self.tag)
-        self.bytes_recv += self.nbytes
+        self._recv_rows = self.rows if rows is None else rows
+        into = self._recv.message(self._recv_rows)
+        self._recv_req = self.transport.irecv(into, src, self.tag)
+        self.bytes_recv += into.nbytes
 
     def received(self):
         """Wait for the posted receive and return its views."""
@@ -299,23 +385,25 @@ class PartialChannel:
             raise RuntimeError("PartialChannel.received: no receive was posted")
         self.transport.wait([self._recv_req])
         self._recv_req = None
-        return self._recv[1]
+        return self._recv.views(self._recv_rows)
 
-    def send_buffer(self):
-        """Return zeroed views of the next send buffer (waiting for its last send)."""
+    def send_buffer(self, rows=None):
+        """Return zeroed views of the next send buffer, for ``rows`` rows (waiting for its
+        last send)."""
         i = self._next
         if self._send_reqs[i] is not None:
             self.transport.wait([self._send_reqs[i]])
             self._send_reqs[i] = None
-        raw, views = self._send[i]
-        raw.fill(0)
-        return views
+        self._send_rows = self.rows if rows is None else rows
+        self._send[i].message(self._send_rows).fill(0)
+        return self._send[i].views(self._send_rows)
 
     def post_send(self):
         """Send the buffer last returned by ``send_buffer``."""
         i = self._next
-        self._send_reqs[i] = self.transport.isend(self._send[i][0], self.send_to, self.tag)
-        self.bytes_sent += self.nbytes
+        out = self._send[i].message(self._send_rows)
+        self._send_reqs[i] = self.transport.isend(out, self.send_to, self.tag)
+        self.bytes_sent += out.nbytes
         self._next = 1 - i
 
     def progress(self):

@@ -101,6 +101,78 @@ class Geometry:
             self._blocks[("rows", role, rank)] = idx
         return idx
 
+    def _readers(self, role, rank):
+        """reads[h, i]: does rank h (another rank) see row i of ``rank``'s block of
+        ``role`` (its key seen by h's queries, or its query seeing h's keys)? Over the
+        travelling rows only, in their order; rows of the rank itself are False (cached)."""
+        key = ("readers", role, rank)
+        reads = self._blocks.get(key)
+        if reads is None:
+            idx, P = self.travelling_rows(role, rank), self.layout.nranks
+            reads = np.zeros((P, len(idx)), dtype=bool)
+            full = self.block(role, rank, travelling=True)
+            for h in range(P):
+                other = self.layout.positions(h)
+                if h == rank or len(other) == 0 or len(idx) == 0:
+                    continue
+                if self.mask.dense:
+                    reads[h] = True
+                    continue
+                for _, blocks, filters in full.groups:
+                    for b, f in zip(blocks, filters):
+                        if f is not None:
+                            reads[h] |= f.row_counts(b, other, role == "k") > 0
+                        else:
+                            reads[h] |= (np.searchsorted(other, b.last, side="right")
+                                         > np.searchsorted(other, b.first, side="left"))
+            self._blocks[key] = reads
+        return reads
+
+    def route(self, role, rank, direction, arc=None):
+        """How ``rank``'s packet of ``role`` travels the ring in ``direction`` (+1 or -1),
+        serving the readers within ``arc`` hops (default: all of them): (order, held).
+
+        ``order``: the rows that leave home, as positions within the travelling rows, in
+        packet order: those read farthest along first, each reach in position order.
+        ``held[t]``: how many of them the holder at step t has (``held[0]``: all that
+        leave). A row stays aboard until its farthest reader has had it, so a packet
+        shrinks as it goes and each hop carries its first ``held[t + 1]`` rows: a sink's
+        few rows go on alone once the window's rows have reached their one reader (cached)."""
+        P = self.layout.nranks
+        arc = P - 1 if arc is None else arc
+        key = ("route", role, rank, direction, arc)
+        out = self._blocks.get(key)
+        if out is None:
+            reads = self._readers(role, rank)
+            step = (direction * (np.arange(P) - rank)) % P  # when each rank holds the packet
+            step = np.where(step <= arc, step, 0)            # the other way serves those past the arc
+            reach = (reads * step[:, None]).max(axis=0) if P > 1 else np.zeros(reads.shape[1], np.int64)
+            leave = np.count_nonzero(reach)
+            order = np.lexsort((np.arange(len(reach)), -reach))[:leave]
+            held = np.array([leave] + [int(np.count_nonzero(reach >= t)) for t in range(1, P)], dtype=np.int64)
+            out = self._blocks[key] = (order, held)
+        return out
+
+    def carried(self, role, owner, direction, t, arc=None):
+        """What the holder at step t computes on from ``owner``'s packet (``route``):
+        (a, b, BlockSet) for each run of its rows [a, b) whose positions increase (one run
+        per reach, fewer where runs follow on in position) (cached)."""
+        key = ("carried", role, owner, direction, t, arc)
+        out = self._blocks.get(key)
+        if out is None:
+            order, held = self.route(role, owner, direction, arc)
+            rows = order[:held[t]]
+            cuts = np.flatnonzero(np.diff(rows) < 0) + 1
+            full = self.block(role, owner, travelling=True)
+            out = []
+            for i, (a, b) in enumerate(zip(np.r_[0, cuts], np.r_[cuts, len(rows)])):
+                sel = rows[a:b]
+                groups = [(heads, [Block(*(x[sel] for x in blk)) for blk in blocks], filters)
+                          for heads, blocks, filters in full.groups]
+                out.append((int(a), int(b), BlockSet(key + (i,), groups)))
+            self._blocks[key] = out
+        return out
+
     def packet_rows(self, role):
         """Rows of a packet of ``role``: the most any rank sends (the same on every rank)."""
         return max(len(self.travelling_rows(role, r)) for r in range(self.layout.nranks))

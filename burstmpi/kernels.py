@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["HEAD_DIMS", "DTYPES", "ARCHS", "Strided", "Grouped", "Launch", "program", "module",
+__all__ = ["HEAD_DIMS", "DTYPES", "ARCHS", "Strided", "Grouped", "Bitmap", "Launch", "program", "module",
            "probe_module",
            "kernel_names", "config", "fwd", "fwd_finalize", "bwd_preprocess", "bwd_dq",
            "bwd_dkdv", "Stacked", "decode_tile", "decode_splits", "decode", "decode_combine",
@@ -275,13 +275,42 @@ def _pointers(*ptrs):
     return tuple(("p", int(p)) for p in ptrs)
 
 
+class Bitmap(NamedTuple):
+    """A block-sparse mask's plane for one launch (cuda/mask.cuh, ``BlockBits``): the
+    address of its uint8 cells, (query block, key block) with row stride ``ld``, and the
+    addresses of int32 arrays giving each query row's and each key row's block index
+    (position // block size, offset like the rows). The plane must have < 2**31 cells."""
+    ptr: int
+    qblk: int
+    kblk: int
+    ld: int
+    cells: int
+
+
+def _bits(fn, bits, rows):
+    """The kernel's bitmap arguments, from the side of its ``rows`` ("q" or "k"): the
+    plane strides of a row's block and of a column's. None: no bitmap (null pointers)."""
+    if bits is None:
+        return _pointers(0, 0, 0) + (("i", 0), ("i", 0))
+    if not isinstance(bits, Bitmap):
+        raise TypeError(f"burstmpi.kernels.{fn}: bits: expected burstmpi.kernels.Bitmap or None, "
+                        f"got {type(bits).__name__}")
+    if not 0 < bits.cells < 2 ** 31 or not 0 < bits.ld < 2 ** 31:
+        raise ValueError(f"burstmpi.kernels.{fn}: bits: expected a plane of 1 .. 2**31 - 1 cells, "
+                         f"got {bits.cells} cells with row stride {bits.ld}")
+    if rows == "q":
+        return _pointers(bits.ptr, bits.qblk, bits.kblk) + (("i", bits.ld), ("i", 1))
+    return _pointers(bits.ptr, bits.kblk, bits.qblk) + (("i", 1), ("i", bits.ld))
+
+
 def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qfirst, qlast, kpos, batch, cq, ck, heads,
-        kv_heads, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+        kv_heads, scale, bits=None, smem_limit=SMEM_LIMIT["sm_80"]):
     """Merge one key block into the running state (acc, m, l) of cq query rows.
 
     The mask is per-row intervals (cuda/mask.cuh): ``qfirst``, ``qlast`` point to int32
     arrays of cq entries, the first and last key position each query row sees; ``kpos``
-    to the ck key rows' positions. ``m`` and ``l`` share one set of strides."""
+    to the ck key rows' positions; ``bits``, a block-sparse ``Bitmap`` on top, or None.
+    ``m`` and ``l`` share one set of strides."""
     _kind("fwd", (("q", q), ("acc", acc), ("m", m), ("l", l)), (("k", k), ("v", v)))
     _heads("fwd", heads, kv_heads)
     if tuple(m[1:]) != tuple(l[1:]):
@@ -290,7 +319,7 @@ def fwd(dtype, d, dv, *, q, k, v, acc, m, l, qfirst, qlast, kpos, batch, cq, ck,
         _aligned("fwd", name, t, dtype)
     name, grid, block, smem = _tiled("fwd", dtype, d, dv, cq, heads, batch, smem_limit)
     args = (tuple(("p", t.ptr) for t in (q, k, v, acc, m, l)) + _pointers(qfirst, qlast, kpos)
-            + _strides(q, k, v, acc, m)
+            + _bits("fwd", bits, "q") + _strides(q, k, v, acc, m)
             + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads), ("f", float(scale))))
     return Launch(name, grid, block, smem, args, (dtype, d, dv))
 
@@ -329,9 +358,10 @@ def bwd_preprocess(dtype, dv, *, dsum, dout, out, batch, c, heads, kv_heads):
     return spec._replace(module=_rowwise_module(dtype, dv))
 
 
-def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, mask, cq, ck, heads, kv_heads, scale):
+def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, mask, bits, cq, ck, heads, kv_heads, scale):
     """Checked arguments of the dQ and dK/dV kernels, which differ only in ``grads`` and
-    in the side the three mask pointers describe (``mask``, in parameter order)."""
+    in the side the mask pointers describe (``mask``, in parameter order, then the bitmap
+    from the side of the kernel's rows)."""
     grouped = [("q", q), ("dout", dout), ("lse", lse), ("dsum", dsum)]
     _kind(fn, grouped + ([("dq", grads[0])] if len(grads) == 1 else []),
           [("k", k), ("v", v)] + ([("dk", grads[0]), ("dv", grads[1])] if len(grads) == 2 else []))
@@ -339,29 +369,30 @@ def _bwd_args(fn, dtype, q, k, v, dout, lse, dsum, grads, mask, cq, ck, heads, k
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         _aligned(fn, name, t, dtype)
     return (tuple(("p", t.ptr) for t in (q, k, v, dout, lse, dsum, *grads)) + _pointers(*mask)
-            + _strides(q, k, v, dout, lse, dsum, *grads)
+            + _bits(fn, bits, "q" if len(grads) == 1 else "k") + _strides(q, k, v, dout, lse, dsum, *grads)
             + (("i", cq), ("i", ck), ("i", heads), ("i", kv_heads), ("f", float(scale))))
 
 
 def bwd_dq(dtype, d, dv, *, q, k, v, dout, lse, dsum, dq, qfirst, qlast, kpos, batch, cq, ck,
-           heads, kv_heads, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+           heads, kv_heads, scale, bits=None, smem_limit=SMEM_LIMIT["sm_80"]):
     """Add dS K (unscaled) for one (query block, key block) pair to dq (fp32).
 
     The mask as in :func:`fwd`: per query row its visible key interval, per key its
-    position (int32 device arrays)."""
-    args = _bwd_args("bwd_dq", dtype, q, k, v, dout, lse, dsum, (dq,), (qfirst, qlast, kpos),
+    position (int32 device arrays), and the ``Bitmap`` or None."""
+    args = _bwd_args("bwd_dq", dtype, q, k, v, dout, lse, dsum, (dq,), (qfirst, qlast, kpos), bits,
                      cq, ck, heads, kv_heads, scale)
     return Launch(*_tiled("dq", dtype, d, dv, cq, heads, batch, smem_limit), args, (dtype, d, dv))
 
 
 def bwd_dkdv(dtype, d, dv, *, q, k, v, dout, lse, dsum, dk, dv_, qpos, kfirst, klast, batch,
-             cq, ck, heads, kv_heads, scale, smem_limit=SMEM_LIMIT["sm_80"]):
+             cq, ck, heads, kv_heads, scale, bits=None, smem_limit=SMEM_LIMIT["sm_80"]):
     """Add the dK (scaled) and dV of one (query block, key block) pair to dk, dv_ (fp32).
 
     The mask from the keys' side: per query row its position (``qpos``), per key row the
     first and last query position that sees it (``kfirst``, ``klast``), int32 device
-    arrays. Returns a tuple of launches, to run in order (two for the largest head dims)."""
-    args = _bwd_args("bwd_dkdv", dtype, q, k, v, dout, lse, dsum, (dk, dv_), (qpos, kfirst, klast),
+    arrays, and the ``Bitmap`` or None. Returns a tuple of launches, to run in order (two
+    for the largest head dims)."""
+    args = _bwd_args("bwd_dkdv", dtype, q, k, v, dout, lse, dsum, (dk, dv_), (qpos, kfirst, klast), bits,
                      cq, ck, heads, kv_heads, scale)
     return tuple(Launch(*_tiled("dkdv", dtype, d, dv, ck, kv_heads, batch, smem_limit, part), args,
                         (dtype, d, dv))

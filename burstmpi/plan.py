@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 
 from . import ring, twoway
+from .comm import rows_bytes
 from .device import abort_on_device_error
 from .geometry import geometry
 from .interop import like
@@ -159,8 +160,21 @@ class BurstAttention:
 
     # -- plumbing shared with burstmpi.ring ---------------------------------------------
 
-    def schedule(self, mode, packet_bytes, partial_bytes):
-        return Schedule(self.geometry.needs(mode), self.rank, packet_bytes, partial_bytes)
+    def schedule(self, mode, dims, dtype):
+        """The ring schedule of ``mode`` for arrays of ``dims`` and ``dtype``: its direction
+        is the one that moves fewer bytes, with packets and partials of the rows they carry
+        (``Geometry.route``)."""
+        packet, partial = self._sizes(mode, dims, dtype)
+        return Schedule(self.geometry.needs(mode), self.rank, packet, partial)
+
+    def _sizes(self, mode, dims, dtype):
+        """Bytes of ``mode``'s packets and partials as they shrink (``Geometry.route``):
+        ``packet(owner, t, direction, arc=None)``, what the holder at step t receives, and
+        ``partial(owner, direction)``."""
+        role, geo = ring.ROLE[mode], self.geometry
+        packet, partial = self._fields(mode, dims, dtype)
+        return (lambda o, t, d, arc=None: rows_bytes(packet, geo.route(role, o, d, arc)[1][t]),
+                lambda o, d: rows_bytes(partial, geo.route(role, o, d)[1][0]) if partial else 0)
 
     def channels(self, phase, specs):
         """The channels of one phase (``Runtime.channels``)."""
@@ -250,18 +264,22 @@ class BurstAttention:
         self.last_stats.transport = self.transport.name  # the call may have fallen back to MPI
         return like(out, q), like(lse, q)
 
-    def _packet_bytes(self, mode, dims, dtype):
+    def _fields(self, mode, dims, dtype):
+        """The packet and partial fields of ``mode`` (``ring.packet_fields``)."""
         acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-        packet, partial = ring.packet_fields(mode, ring.packet_dims(self, dims, ring.ROLE[mode]), dtype, acc)
+        return ring.packet_fields(mode, ring.packet_dims(self, dims, ring.ROLE[mode]), dtype, acc)
+
+    def _packet_bytes(self, mode, dims, dtype):
+        packet, partial = self._fields(mode, dims, dtype)
         return ring.nbytes(packet), ring.nbytes(partial)
 
     def _forward_two_way(self, dims, dtype):
         """Does the two-way ring move fewer forward bytes than the one-way ring?"""
         if self.nranks < 3:
             return False
-        packet, _ = self._packet_bytes("forward", dims, dtype)
+        packet, _ = self._sizes("forward", dims, dtype)
         needs = self.geometry.needs("forward")
-        return twoway.two_way_bytes(needs, packet) < self.schedule("forward", packet, 0).ring_bytes
+        return twoway.two_way_bytes(needs, packet) < self.schedule("forward", dims, dtype).ring_bytes
 
     def choose_bwd_mode(self, dims, dtype):
         """The backward mode a call with these dims and dtype uses: fewest bytes moved."""
@@ -273,13 +291,14 @@ class BurstAttention:
         for mode in ("burst", "ring"):
             packet, partial = self._packet_bytes(mode, dims, dtype)
             # Ties (one rank: nothing moves) go to the smaller full step, then to "burst".
-            cost[mode] = (self.schedule(mode, packet, partial).ring_bytes, packet + partial)
+            cost[mode] = (self.schedule(mode, dims, dtype).ring_bytes, packet + partial)
         if self.nranks >= 3 and getattr(self.backend, "split_backward_free", False):
             kv, _ = self._packet_bytes("forward", dims, dtype)
             qp, _ = self._packet_bytes("burst", dims, dtype)
             geo = self.geometry
-            cost["two-way"] = (twoway.two_way_bytes(geo.needs("forward"), kv)
-                               + twoway.two_way_bytes(geo.needs("burst"), qp), kv + qp)
+            cost["two-way"] = (twoway.two_way_bytes(geo.needs("forward"), self._sizes("forward", dims, dtype)[0])
+                               + twoway.two_way_bytes(geo.needs("burst"), self._sizes("burst", dims, dtype)[0]),
+                               kv + qp)
         return min(cost, key=lambda m: cost[m])  # dicts keep order: ties go to burst, ring
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens=None):

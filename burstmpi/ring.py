@@ -19,9 +19,20 @@ the message while NumPy computes.
 Ranks may hold different numbers of tokens (any global length; see ``burstmpi.layout``).
 A packet carries only the owner's rows that some other rank sees (``Geometry.
 travelling_rows``: rows of documents that stay home, or far from a narrow window's
-reach, never travel), first, in a buffer sized for the most any rank sends; the kernels
-only ever see those rows, so padding costs no compute and never enters a result. A rank's
-own step always computes on its full local arrays.
+reach, never travel), and each row only as far as its farthest reader: the rows are
+ordered by how far they go (``Geometry.route``), and each hop sends the prefix still
+needed, as one message laid out for just those rows (``comm.Packet``). Under sinks and a
+window, rank 0's packet holds the sinks and its window's reach for one hop, then the
+sinks alone. A holder computes on the runs of rows it was handed
+(``Geometry.carried``); a rank's own step on its full local arrays. A gradient partial
+carries every row its packet left home with, round to home.
+
+Why a ring and not a broadcast for rows that many ranks read (sinks, global tokens, a
+prefix): with shrinking packets a row crosses each link between its owner and its
+farthest reader once, so when every rank on the way reads it, as for those, the ring
+moves exactly a broadcast's bytes, overlapped with compute and with no collective. It
+moves more only for rows that skip the ranks in between, which the direction choice
+(``schedule``) already weighs by these same bytes.
 """
 
 import functools
@@ -87,7 +98,7 @@ class Timer:
         return out
 
 
-def _steps(plan, chan, sched, timer, partials=None):
+def _steps(plan, chan, sched, timer, partials=None, rows=(None, None)):
     """Yield the ring steps, posting each step's transfers before its compute and waiting
     after it: the double-buffering rhythm of every phase.
 
@@ -95,14 +106,17 @@ def _steps(plan, chan, sched, timer, partials=None):
     gradient partials) are posted as one group, and a last group follows the last step.
     Transports that run transfers in order on one stream (NCCL) need exactly this: every
     rank's t-th group then pairs with its neighbours' t-th groups, so no rank can wait
-    on a transfer its neighbour has queued behind one that waits for it.
+    on a transfer its neighbour has queued behind one that waits for it. ``rows``: the
+    rows each step sends and receives (``routes``), or None for full packets.
     """
     P = plan.nranks
     for t in range(P):
         more = t < P - 1
         with plan.transport.group():
             if more:
-                chan.post(send=sched.send[t], recv=sched.recv[t])
+                chan.post(send=sched.send[t], recv=sched.recv[t],
+                          send_rows=None if rows[0] is None else rows[0][t],
+                          recv_rows=None if rows[1] is None else rows[1][t])
             if partials is not None:
                 partials(t)
         yield t
@@ -138,8 +152,14 @@ def _from_kv(be, x, dtype):
 
 
 def _select(xp, rows, count):
-    """An index for ``rows`` of a block of ``count`` rows: a slice when it is all of them."""
-    return slice(0, count) if len(rows) == count else xp.asarray(rows)
+    """An index for ``rows`` (distinct) of a block of ``count`` rows: a slice when it is all
+    of them in order."""
+    return slice(0, count) if _in_order(rows, count) else xp.asarray(rows)
+
+
+def _in_order(rows, count):
+    """Are ``rows`` (distinct local rows) all ``count`` of them, in order?"""
+    return len(rows) == count and bool(np.all(rows[1:] > rows[:-1]))
 
 
 def fill_packet(chan, home, rows, xp):
@@ -153,6 +173,30 @@ def fill_packet(chan, home, rows, xp):
 def packet_rows(fields, n):
     """Views of the first ``n`` rows of a packet's fields (the valid ones)."""
     return {name: view[:, :, :n] for name, view in fields.items()}
+
+
+def routes(geo, role, sched):
+    """How this phase's packets shrink (``Geometry.route``): the packet of this rank in
+    packet order (its local rows), and per step the rows sent and the rows received."""
+    own, d, P = sched.owners, sched.direction, sched.P
+    held = lambda o, t: int(geo.route(role, o, d)[1][t])
+    mine = geo.travelling_rows(role, own[0])[geo.route(role, own[0], d)[0]]
+    return mine, ([held(own[t], t + 1) for t in range(P - 1)], [held(own[t + 1], t + 1) for t in range(P - 1)])
+
+
+def load_packet(chan, home, rows, xp):
+    """Write this rank's packet of ``rows`` (its local rows, in packet order) into the
+    channel, laid out for just those rows (``comm.Packet``)."""
+    for name, view in chan.fill(len(rows)).items():
+        src = home[name]
+        view[...] = src[:, :, _select(xp, rows, src.shape[2])]
+
+
+def runs(geo, role, owner, sched, t, fields):
+    """(views, BlockSet) of each run of rows the holder at step t computes on from
+    ``owner``'s packet (``Geometry.carried``)."""
+    return [({name: v[:, :, a:b] for name, v in fields.items()}, blk)
+            for a, b, blk in geo.carried(role, owner, sched.direction, t)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -252,30 +296,30 @@ def forward(plan, q, k, v, dims):
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
     packet, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
-    sched = plan.schedule("forward", nbytes(packet), 0)
+    sched = plan.schedule("forward", dims, q.dtype)
     (chan,) = plan.channels("forward", [(Channel, packet, TAG_FWD, sched.direction)])
     timer, t_start = Timer(), time.perf_counter()
 
     home_k = key_operands(k, v)
+    mine, rows = routes(geo, "k", sched)
     if sched.send and sched.send[0]:  # our keys leave (not at 1 rank, nor where no one needs them)
-        rows = geo.travelling_rows("k", plan.rank)
-        fill_packet(chan, home_k, rows, be.xp)
-        if len(rows) == C:  # all of them, in order: our own step reads that copy too
-            home_k = packet_rows(chan.current, C)
+        load_packet(chan, home_k, mine, be.xp)
+        if _in_order(mine, C):  # all of them, in order: our own step reads that copy too
+            home_k = chan.current
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.block("q", plan.rank)
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]
-    for t in _steps(plan, chan, sched, timer):
+    for t in _steps(plan, chan, sched, timer, rows=rows):
         if sched.compute[t]:
             owner = sched.owners[t]
             if owner == plan.rank:
-                ks, kb = home_k, geo.block("k", owner)
+                parts = [(home_k, geo.block("k", owner))]
             else:
-                ks = packet_rows(chan.current, len(geo.travelling_rows("k", owner)))
-                kb = geo.block("k", owner, travelling=True)
-            timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), plan.scale,
-                      poll=chan.progress)
+                parts = runs(geo, "k", owner, sched, t, chan.current)
+            for ks, kb in parts:
+                timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb),
+                          plan.scale, poll=chan.progress)
     out, lse = finish_forward(be, state, q.dtype, dims)
     pairs = sum(geo.pairs(plan.rank, o) for o in owners)
     return out, lse, plan.phase_stats([chan], owners, pairs, sched.direction, timer, t_start)
@@ -289,7 +333,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     geo = plan.geometry
     role = ROLE[mode]
     packet, partial = packet_fields(mode, packet_dims(plan, dims, role), q.dtype, acc)
-    sched = plan.schedule(mode, nbytes(packet), nbytes(partial))
+    sched = plan.schedule(mode, dims, q.dtype)
     chan, part = plan.channels(mode, [(Channel, packet, TAG_BWD, sched.direction),
                                       (PartialChannel, partial, TAG_PARTIAL, sched.direction)])
     timer, t_start = Timer(), time.perf_counter()
@@ -297,48 +341,54 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
     if mode == "burst":  # K and V stay home for every step: as the tiles read them, once
         home_k = be.resident_keys(home_k["k"], home_k["v"], acc)
-    mine = geo.travelling_rows(role, plan.rank)
+    mine, rows = routes(geo, role, sched)
     home = home_q if mode == "burst" else home_k
     if sched.send and sched.send[0]:
-        fill_packet(chan, home, mine, xp)
+        load_packet(chan, home, mine, xp)
+    # A partial holds every row its packet left home with, in packet order: a holder adds
+    # to the first rows, those it was handed.
+    leaves = lambda o: int(geo.route(role, o, sched.direction)[1][0])
 
     def partials(t):
         # The partial finished at step t-1 leaves with step t's packet; the partial that
         # step t adds to (or, after the last step, the one coming home) arrives with it.
         if t >= 2 and sched.partial_send[t - 1]:
             part.post_send()
-        if (t < sched.P and sched.partial_recv[t]) or (t == sched.P and sched.partial_home):
-            part.post_recv()
+        if t < sched.P and sched.partial_recv[t]:
+            part.post_recv(rows=leaves(sched.owners[t]))
+        elif t == sched.P and sched.partial_home:
+            part.post_recv(rows=len(mine))
 
-    for t in _steps(plan, chan, sched, timer, partials):
+    poll = lambda: any([chan.progress(), part.progress()])
+    for t in _steps(plan, chan, sched, timer, partials, rows):
         owner = sched.owners[t]
-        if owner == plan.rank:  # our own step: the full local arrays
-            n, travelling, block = C, home, geo.block(role, owner)
-        else:  # the packet's valid rows; the rest is padding
-            n = len(geo.travelling_rows(role, owner))
-            travelling, block = packet_rows(chan.current, n), geo.block(role, owner, travelling=True)
-        if mode == "burst":
-            qs, ks, qb, kb = travelling, home_k, block, geo.block("k", plan.rank)
-        else:
-            qs, ks, qb, kb = home_q, travelling, geo.block("q", plan.rank), block
-        target = dict(grads)
-        if t > 0 and sched.partial_send[t]:
-            target.update(packet_rows(part.send_buffer(), n))
+        partial = part.send_buffer(leaves(owner)) if t > 0 and sched.partial_send[t] else None
         if sched.compute[t]:
-            timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"],
-                      ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
-                      geo.pieces(qb, kb), plan.scale, poll=lambda: any([chan.progress(), part.progress()]))
+            if owner == plan.rank:  # our own step: the full local arrays
+                parts = [(home, geo.block(role, owner), grads)]
+            else:  # each run of the rows it was handed, and their rows of the partial
+                parts = [(views, blk, {**grads, **{n: p[:, :, a:b] for n, p in partial.items()}})
+                         for a, b, blk in geo.carried(role, owner, sched.direction, t)
+                         for views in [{n: x[:, :, a:b] for n, x in chan.current.items()}]]
+            for travelling, block, target in parts:
+                if mode == "burst":
+                    qs, ks, qb, kb = travelling, home_k, block, geo.block("k", plan.rank)
+                else:
+                    qs, ks, qb, kb = home_q, travelling, geo.block("q", plan.rank), block
+                timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"],
+                          ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
+                          geo.pieces(qb, kb), plan.scale, poll=poll)
         if t > 0 and sched.partial_recv[t]:
             for name, view in timer.run("wait", part.received).items():
-                target[name] += view[:, :, :n]
+                partial[name] += view
     if sched.partial_home:
         # Our travelling rows' partial, back from the ring: add it to those rows.
         at = _select(xp, mine, C)
         for name, view in timer.run("wait", part.received).items():
-            grads[name][:, :, at] += view[:, :, :len(mine)]
+            grads[name][:, :, at] += view
     timer.run("wait", part.drain)
 
-    del target, qs, ks
+    del partial
     dq, dk, dvv = finish_gradients(be, grads, q.dtype, plan.scale)
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]
     # The holder's pairs: its queries against the owner's keys, or (burst) the owner's

@@ -93,10 +93,17 @@ def _started(needs, owner, t, direction):
 
 
 def ring_bytes(needs, direction, packet_bytes, partial_bytes):
-    """Bytes the whole ring sends in one phase with packets going ``direction``."""
+    """Bytes the whole ring sends in one phase with packets going ``direction``.
+
+    ``packet_bytes``: bytes of a packet, or ``f(owner, t, direction)``, the bytes of
+    ``owner``'s packet as the holder at step t receives it (packets shrink as their rows
+    reach their last readers: ``geometry.Geometry.route``); ``partial_bytes``: bytes of a
+    partial, or ``f(owner, direction)``."""
     P = needs.shape[0]
-    return sum(packet_bytes * sum(_moves_on(needs, o, t, direction) for t in range(P - 1))
-               + partial_bytes * sum(_started(needs, o, t, direction) for t in range(1, P))
+    pb = packet_bytes if callable(packet_bytes) else (lambda o, t, d: packet_bytes)
+    qb = partial_bytes if callable(partial_bytes) else (lambda o, d: partial_bytes)
+    return sum(sum(pb(o, t + 1, direction) for t in range(P - 1) if _moves_on(needs, o, t, direction))
+               + qb(o, direction) * sum(_started(needs, o, t, direction) for t in range(1, P))
                for o in range(P))
 
 
@@ -104,7 +111,8 @@ class Schedule:
     """The plan of one ring phase, seen from one rank.
 
     ``needs[holder, owner]`` says whether ``holder`` computes with ``owner``'s packet;
-    ``packet_bytes`` and ``partial_bytes`` weigh the choice of direction.
+    ``packet_bytes`` and ``partial_bytes`` (numbers or functions, as ``ring_bytes`` takes
+    them) weigh the choice of direction.
     """
 
     def __init__(self, needs, rank, packet_bytes, partial_bytes=0, direction=None):

@@ -40,7 +40,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Channel, MPITransport, PartialChannel, _packet, complete
+from .comm import Channel, MPITransport, Packet, PartialChannel, _packet, complete, rows_bytes
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
 
@@ -187,21 +187,25 @@ class ShmTransport(MPITransport):
 class ShmChannel(Channel):
     """``comm.Channel`` for a packet that its holders read where its owner wrote it: one
     copy per rank, views of the owner's at each step, and tokens naming the owner where
-    ``Channel`` sends and receives the packet itself."""
+    ``Channel`` sends and receives the packet itself.
+
+    The owner writes its rows into a packet laid out for the most rows, and a holder views
+    the first rows it is told of (``recv_rows``): nothing is copied when a packet shrinks
+    (the bytes counted are those a copying ring would have moved)."""
 
     @staticmethod
     def copies(single):
         """Packet-sized buffers it allocates: this rank's own packet."""
         return 1
 
-    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False, stage=None):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
-        self._fields = fields
-        self._raw, mine = _packet(fields, alloc)
-        self.nbytes = self._raw.nbytes  # counted as sent: handed on, and read in place
-        self._views = {transport.rank: mine}
+        self._packet = Packet(fields, alloc)
+        self._raw, self.rows = self._packet.raw, self._packet.rows
+        self._views = {transport.rank: self._packet.views(self.rows)}
         self._owner = transport.rank
+        self._held = self._next = self.rows
         self._tokens = np.zeros(2, dtype=np.int64)  # [sent, received]
         self._pending = None
         self.bytes_sent = self.bytes_recv = 0
@@ -211,6 +215,7 @@ class ShmChannel(Channel):
         if self._pending is not None:
             raise RuntimeError("ShmChannel.begin: the last phase left a transfer posted")
         self._owner = self.transport.rank
+        self._held = self.rows
         self.bytes_sent = self.bytes_recv = 0
 
     @property
@@ -219,20 +224,27 @@ class ShmChannel(Channel):
         views = self._views.get(self._owner)
         if views is None:
             theirs = self.transport.peer(self._owner, self._raw)
-            views = self._views[self._owner] = _packet(self._fields, lambda n: theirs[:n])[1]
-        return views
+            views = self._views[self._owner] = _packet(self._packet.fields, lambda n: theirs[:n])[1]
+        if self._held == self.rows:
+            return views
+        return {name: v[:, :, :self._held] for name, v in views.items()}
 
-    def _outgoing(self):  # the packet's bytes are visible before its token leaves
+    def fill(self, n):
+        self._held = n
+        return self.current
+
+    def _outgoing(self, n):  # the packet's bytes are visible before its token leaves
         self.transport.sync()
         self._tokens[0] = self._owner
-        return self._tokens[0:1]
+        return self._tokens[0:1], self._packet.nbytes(self._held if n is None else n)
 
-    def _incoming(self):
-        return self._tokens[1:2]
+    def _incoming(self, n):
+        self._next = self.rows if n is None else n
+        return self._tokens[1:2], self._packet.nbytes(self._next)
 
     def _arrived(self):  # and read only after the token came
         self.transport.sync()
-        self._owner = int(self._tokens[1])
+        self._owner, self._held = int(self._tokens[1]), self._next
 
 
 class ShmPartialChannel:
@@ -244,12 +256,15 @@ class ShmPartialChannel:
         """Partial-sized buffers it allocates: the two it sends from (it reads the sender's)."""
         return 2
 
-    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False):
+    def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False, stage=None):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
         self._fields = fields
+        # Laid out for the most rows; a partial of fewer is their first rows (``comm.Packet``
+        # counts the bytes a copying ring would move).
         self._send = [_packet(fields, alloc) for _ in range(2)]
-        self.nbytes = self._send[0][0].nbytes
+        self.rows = fields[0][1][2]
+        self._recv_rows = self._send_rows = self.rows
         self._next = 0
         self._ids = np.arange(2, dtype=np.int64)    # the tokens: which buffer a partial is in
         self._got = np.zeros(1, dtype=np.int64)     # a received token
@@ -274,13 +289,14 @@ class ShmPartialChannel:
                                                     self.tag + ACK_TAG_OFFSET))
             self._unacked = None
 
-    def post_recv(self, source=None):
+    def post_recv(self, source=None, rows=None):
         if self._recv is not None:
             raise RuntimeError("ShmPartialChannel.post_recv: the previous receive is still pending")
         self._acknowledge()  # the last one was added before this step began
         src = self.recv_from if source is None else source
+        self._recv_rows = self.rows if rows is None else rows
         self._recv = (self.transport.irecv(self._got, src, self.tag), src)
-        self.bytes_recv += self.nbytes
+        self.bytes_recv += rows_bytes(self._fields, self._recv_rows)
 
     def received(self):
         """Wait for the posted receive and return views of the partial, in its sender's
@@ -297,17 +313,20 @@ class ShmPartialChannel:
             theirs = self.transport.peer(src, self._send[key[1]][0])
             views = self._views[key] = _packet(self._fields, lambda n: theirs[:n])[1]
         self._unacked = src
-        return views
+        return _first(views, self._recv_rows, self.rows)
 
-    def send_buffer(self):
-        """Return zeroed views of the next send buffer (once its last reader is done)."""
+    def send_buffer(self, rows=None):
+        """Return zeroed views of the next send buffer, for ``rows`` rows (once its last
+        reader is done)."""
         i = self._next
         if self._acks[i] is not None:
             self.transport.wait([self._acks[i]])
             self._acks[i] = None
             self.transport.sync()  # the reader's reads before our writes
-        raw, views = self._send[i]
-        raw.fill(0)
+        self._send_rows = self.rows if rows is None else rows
+        views = _first(self._send[i][1], self._send_rows, self.rows)
+        for v in views.values():
+            v.fill(0)
         return views
 
     def post_send(self):
@@ -316,7 +335,7 @@ class ShmPartialChannel:
         self.transport.sync()
         self._sends.append(self.transport.isend(self._ids[i:i + 1], self.send_to, self.tag))
         self._acks[i] = self.transport.irecv(self._acked[i:i + 1], self.send_to, self.tag + ACK_TAG_OFFSET)
-        self.bytes_sent += self.nbytes
+        self.bytes_sent += rows_bytes(self._fields, self._send_rows)
         self._next = 1 - i
 
     def progress(self):
@@ -332,3 +351,8 @@ class ShmPartialChannel:
         if reqs:
             self.transport.wait(reqs)
         self._sends, self._acks = [], [None, None]
+
+
+def _first(views, n, rows):
+    """The first ``n`` rows of a packet's views (laid out for ``rows``)."""
+    return views if n == rows else {name: v[:, :, :n] for name, v in views.items()}

@@ -25,8 +25,8 @@ both directions reach the same neighbour.
 import time
 
 from .comm import Channel
-from .ring import (Timer, _rows, backward_operands, bwd_pieces, fill_packet, finish_forward, finish_gradients,
-                   fwd_pieces, key_operands, packet_dims, packet_fields, packet_rows)
+from .ring import (Timer, _rows, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces,
+                   key_operands, load_packet, packet_dims, packet_fields)
 
 __all__ = ["arcs", "TwoWaySchedule", "two_way_bytes", "forward", "backward"]
 
@@ -51,34 +51,70 @@ def arcs(needs, owner):
 
 
 def two_way_bytes(needs, packet_bytes):
-    """Bytes the whole ring sends in one phase when every packet travels its two arcs."""
-    return packet_bytes * sum(sum(arcs(needs, o)) for o in range(needs.shape[0]))
+    """Bytes the whole ring sends in one phase when every packet travels its two arcs.
+
+    ``packet_bytes``: bytes of a packet, or ``f(owner, t, sign, arc)``, the bytes of the
+    ``owner``'s packet the holder at step t of its ``arc``-hop way towards ``sign``
+    receives (packets shrink: ``Geometry.route``)."""
+    pb = packet_bytes if callable(packet_bytes) else (lambda o, t, sign, arc: packet_bytes)
+    total = 0
+    for o in range(needs.shape[0]):
+        up, down = arcs(needs, o)
+        total += sum(pb(o, t, +1, up) for t in range(1, up + 1)) + sum(pb(o, t, -1, down) for t in range(1, down + 1))
+    return total
 
 
 class _Direction:
     """One direction's plan for one rank: which packet it holds at each step, whether it
     computes with it, and the transfers after each step."""
 
-    def __init__(self, needs, rank, reach, sign, steps):
+    def __init__(self, needs, rank, reach, sign, steps, held=None):
         P = needs.shape[0]
+        self.sign, self.reach = sign, reach
         self.owners = [(rank - sign * t) % P for t in range(steps)]
         holds = [t == 0 or t <= reach[o] for t, o in enumerate(self.owners)]
         self.compute = [t > 0 and holds[t] and bool(needs[rank, o]) for t, o in enumerate(self.owners)]
         self.send = [holds[t] and t + 1 <= reach[self.owners[t]] for t in range(steps - 1)]
         self.recv = [t + 1 <= reach[self.owners[t + 1]] for t in range(steps - 1)]
+        # The rows of each transfer (``held(owner, sign, arc)``: ``Geometry.route``'s counts);
+        # None: full packets.
+        rows = lambda o, t: None if held is None else int(held(o, sign, reach[o])[t])
+        self.send_rows = [rows(self.owners[t], t + 1) if self.send[t] else None for t in range(steps - 1)]
+        self.recv_rows = [rows(self.owners[t + 1], t + 1) if self.recv[t] else None for t in range(steps - 1)]
 
 
 class TwoWaySchedule:
     """The two-way plan of one phase, seen from one rank (``needs[holder, owner]`` as in
-    ``schedule.Schedule``). ``steps`` may pad the plan to run in lockstep with another."""
+    ``schedule.Schedule``). ``steps`` may pad the plan to run in lockstep with another;
+    ``held`` gives the shrinking packets' row counts (as ``_Direction`` takes it)."""
 
-    def __init__(self, needs, rank, steps=None):
+    def __init__(self, needs, rank, steps=None, held=None):
         P = needs.shape[0]
         reach = [arcs(needs, o) for o in range(P)]
         self.steps = steps or 1 + max(max(r) for r in reach)
         self.local = bool(needs[rank, rank])
-        self.up = _Direction(needs, rank, [r[0] for r in reach], +1, self.steps)
-        self.down = _Direction(needs, rank, [r[1] for r in reach], -1, self.steps)
+        self.up = _Direction(needs, rank, [r[0] for r in reach], +1, self.steps, held)
+        self.down = _Direction(needs, rank, [r[1] for r in reach], -1, self.steps, held)
+
+
+def _held(geo, role):
+    """``Geometry.route``'s row counts of ``role``'s packets, as ``_Direction`` takes them."""
+    return lambda o, sign, arc: geo.route(role, o, sign, arc)[1]
+
+
+def _load(chans, dirs, geo, role, home, rank, xp):
+    """Write this rank's packet of each direction: the rows its arc's readers see."""
+    for chan, d in zip(chans, dirs):
+        order, _ = geo.route(role, rank, d.sign, d.reach[rank])
+        load_packet(chan, home, geo.travelling_rows(role, rank)[order], xp)
+
+
+def _runs(geo, role, chan, d, t):
+    """(views, BlockSet) of each run of rows the holder at step t has from the packet in
+    ``chan`` (``Geometry.carried``)."""
+    o = d.owners[t]
+    return [({name: x[:, :, a:b] for name, x in chan.current.items()}, blk)
+            for a, b, blk in geo.carried(role, o, d.sign, t, d.reach[o])]
 
 
 def _run(plan, steps, channels, timer, compute):
@@ -90,7 +126,7 @@ def _run(plan, steps, channels, timer, compute):
         with plan.transport.group():
             if more:
                 for chan, d in channels:
-                    chan.post(send=d.send[t], recv=d.recv[t])
+                    chan.post(send=d.send[t], recv=d.recv[t], send_rows=d.send_rows[t], recv_rows=d.recv_rows[t])
         compute(t)
         if more:
             for chan, _ in channels:
@@ -104,33 +140,31 @@ def forward(plan, q, k, v, dims):
     acc = be.acc_dtype(q.dtype)
     geo = plan.geometry
     packet, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
-    sched = TwoWaySchedule(geo.needs("forward"), plan.rank)
+    sched = TwoWaySchedule(geo.needs("forward"), plan.rank, held=_held(geo, "k"))
     up, down = plan.channels("forward-two-way", [(Channel, packet, TAG_UP, +1), (Channel, packet, TAG_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
     home_k = key_operands(k, v)
-    for chan in (up, down):
-        fill_packet(chan, home_k, geo.travelling_rows("k", plan.rank), be.xp)
+    _load((up, down), (sched.up, sched.down), geo, "k", home_k, plan.rank, be.xp)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.block("q", plan.rank)
     owners = []
     poll = lambda: any([up.progress(), down.progress()])
 
-    def block(ks, kb, owner):
+    def block(parts, owner):
         owners.append(owner)
-        timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), plan.scale,
-                  poll=poll)
+        for ks, kb in parts:
+            timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), plan.scale,
+                      poll=poll)
 
     def compute(t):
         if t == 0:
             if sched.local:
-                block(home_k, geo.block("k", plan.rank), plan.rank)
+                block([(home_k, geo.block("k", plan.rank))], plan.rank)
             return
         for chan, dplan in ((up, sched.up), (down, sched.down)):
             if dplan.compute[t]:
-                o = dplan.owners[t]
-                block(packet_rows(chan.current, len(geo.travelling_rows("k", o))),
-                      geo.block("k", o, travelling=True), o)
+                block(_runs(geo, "k", chan, dplan, t), dplan.owners[t])
 
     _run(plan, sched.steps, [(up, sched.up), (down, sched.down)], timer, compute)
     out, lse = finish_forward(be, state, q.dtype, dims)
@@ -148,16 +182,15 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     q_fields, _ = packet_fields("burst", packet_dims(plan, dims, "q"), q.dtype, acc)
     kv_needs, q_needs = geo.needs("forward"), geo.needs("burst")
     steps = max(TwoWaySchedule(kv_needs, plan.rank).steps, TwoWaySchedule(q_needs, plan.rank).steps)
-    kv_s, q_s = TwoWaySchedule(kv_needs, plan.rank, steps), TwoWaySchedule(q_needs, plan.rank, steps)
+    kv_s = TwoWaySchedule(kv_needs, plan.rank, steps, _held(geo, "k"))
+    q_s = TwoWaySchedule(q_needs, plan.rank, steps, _held(geo, "q"))
     kvu, kvd, qu, qd = plan.channels("two-way", [
         (Channel, kv_fields, TAG_UP, +1), (Channel, kv_fields, TAG_DOWN, -1),
         (Channel, q_fields, TAG_Q_UP, +1), (Channel, q_fields, TAG_Q_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    for chans, home, role in (((kvu, kvd), home_k, "k"), ((qu, qd), home_q, "q")):
-        for chan in chans:
-            fill_packet(chan, home, geo.travelling_rows(role, plan.rank), be.xp)
-    rows = lambda chan, role, o: packet_rows(chan.current, len(geo.travelling_rows(role, o)))
+    _load((kvu, kvd), (kv_s.up, kv_s.down), geo, "k", home_k, plan.rank, be.xp)
+    _load((qu, qd), (q_s.up, q_s.down), geo, "q", home_q, plan.rank, be.xp)
     qb_home, kb_home = geo.block("q", plan.rank), geo.block("k", plan.rank)
     owners, pairs = [], 0
     chans = (kvu, kvd, qu, qd)
@@ -180,15 +213,15 @@ def backward(plan, dout, q, k, v, out, lse, dims):
                 o = dplan.owners[t]
                 owners.append(o)
                 pairs += geo.pairs(plan.rank, o)
-                run(home_q, rows(chan, "k", o), grads["dq"], None, None, qb_home,
-                    geo.block("k", o, travelling=True))
+                for ks, kb in _runs(geo, "k", chan, dplan, t):
+                    run(home_q, ks, grads["dq"], None, None, qb_home, kb)
         for chan, dplan in ((qu, q_s.up), (qd, q_s.down)):
             if dplan.compute[t]:  # their queries: dK, dV of our keys
                 o = dplan.owners[t]
                 owners.append(o)
                 pairs += geo.pairs(o, plan.rank)
-                run(rows(chan, "q", o), home_k, None, grads["dk"], grads["dv"],
-                    geo.block("q", o, travelling=True), kb_home)
+                for qs, qb in _runs(geo, "q", chan, dplan, t):
+                    run(qs, home_k, None, grads["dk"], grads["dv"], qb, kb_home)
 
     _run(plan, steps, [(kvu, kv_s.up), (kvd, kv_s.down), (qu, q_s.up), (qd, q_s.down)], timer, compute)
     dq, dk, dvv = finish_gradients(be, grads, q.dtype, plan.scale)

@@ -19,7 +19,8 @@
 //   (BN x DV) per key tile; the float path's P scratch, WARPS x 16 x (BN + 4) fp32.
 //   Reads q, k, v, dout (T), lse, Dsum (fp32) and the mask as in burst_fwd: qfirst, qlast
 //   (int32, per query row the positions of the first and last key it sees) and kpos (per
-//   key row its position). Adds dS K to dq (fp32, in place, WITHOUT the softmax scale:
+//   key row its position), and a block-sparse bitmap or null (bits, qblk, kblk, bits_rs,
+//   bits_cs: mask.cuh's BlockBits, rows = queries). Adds dS K to dq (fp32, in place, WITHOUT the softmax scale:
 //   the ring applies it once, at home).
 //
 // burst_bwd_dkdv<T, D, DV, WARPS, BN, PART>
@@ -31,8 +32,8 @@
 //   dO (BN x DV), lse and D (BN fp32 each) per query tile; the float path's P scratch.
 //   Reads the same tensors as burst_bwd_dq, and the mask from the keys' side: qpos (int32,
 //   per query row its position) and kfirst, klast (per key row the positions of the
-//   first and last query that sees it; cuda/mask.cuh). Adds to dk (scaled) and dv (fp32,
-//   in place).
+//   first and last query that sees it; cuda/mask.cuh), and the bitmap with rows = keys
+//   (bits, kblk, qblk, bits_rs, bits_cs). Adds to dk (scaled) and dv (fp32, in place).
 //
 // Both tiled kernels skip the column tiles no row of the block sees and run the tiles
 // every row sees entirely without per-element masks, as the forward does.
@@ -72,7 +73,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dsum,
              float* __restrict__ dq, const int* __restrict__ qfirst, const int* __restrict__ qlast,
-             const int* __restrict__ kpos,
+             const int* __restrict__ kpos, const unsigned char* __restrict__ bits,
+             const int* __restrict__ qblk, const int* __restrict__ kblk, int bits_rs, int bits_cs,
              long long q_sb, long long q_st, long long q_skv, long long q_sg,
              long long k_sb, long long k_st, long long k_sh,
              long long v_sb, long long v_st, long long v_sh,
@@ -81,6 +83,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              long long ds_sb, long long ds_st, long long ds_skv, long long ds_sg,
              long long dq_sb, long long dq_st, long long dq_skv, long long dq_sg,
              int Cq, int Ck, int heads, int kv_heads, float scale) {
+    const BlockBits mb{bits, qblk, kblk, bits_rs, bits_cs};
     constexpr int BM = 16 * WARPS, NT = BN / 8, NQ = D / 8;
     using QK = smem_tile<T, D>;
     using VV = smem_tile<T, DV>;
@@ -101,7 +104,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     load_rows_async<T, DV>(dOs, dout + b * do_sb + hk * do_skv + gi * do_sg + q0 * do_st, do_st, BM, rows_valid);
     cp_async_commit();
 
-    int row[2], qf[2], ql[2];
+    int row[2], qf[2], ql[2], brow[2];
     float lse2[2], Drow[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -111,6 +114,7 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         const long long rd = b * ds_sb + row[i] * ds_st + hk * ds_skv + gi * ds_sg;
         qf[i] = ok ? qfirst[row[i]] : 0;
         ql[i] = ok ? qlast[row[i]] : -1;  // rows past the end see nothing
+        brow[i] = ok ? mb.row(row[i]) : 0;
         lse2[i] = ok ? lse_log2(lse[r]) : pos_inf();
         Drow[i] = ok ? Dsum[rd] : 0.f;
     }
@@ -126,7 +130,8 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const float scale_log2 = scale * BURST_LOG2E;
     for (int c0 = 0; c0 < Ck; c0 += BN) {
         const int kn = imin(BN, Ck - c0);
-        const int cls = classify_tile(first0, last0, first1, last1, kpos[c0], kpos[c0 + kn - 1]);
+        const int cls = combine_tiles(classify_tile(first0, last0, first1, last1, kpos[c0], kpos[c0 + kn - 1]),
+                                      mb.classify(q0, r1, c0, c0 + kn - 1));
         if (cls == TILE_EMPTY) continue;  // block-uniform
         __syncthreads();  // every warp is done with the previous K and V tiles
         load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, kn);
@@ -144,7 +149,8 @@ burst_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = e >> 1, col = 8 * j + 2 * t + (e & 1);
-                const bool off = masked && (col >= kn || !in_interval(qf[i], ql[i], kpos[c0 + col]));
+                const bool off = masked && (col >= kn || !in_interval(qf[i], ql[i], kpos[c0 + col])
+                                            || !mb.sees(brow[i], c0 + col));
                 const float pv = off ? 0.f : fast_exp2(p[j][e] * scale_log2 - lse2[i]);
                 p[j][e] = pv * (dp[j][e] - Drow[i]);  // dS = P * (dP - D)
             }
@@ -170,7 +176,8 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dsum,
                float* __restrict__ dk, float* __restrict__ dv,
                const int* __restrict__ qpos, const int* __restrict__ kfirst,
-               const int* __restrict__ klast,
+               const int* __restrict__ klast, const unsigned char* __restrict__ bits,
+               const int* __restrict__ kblk, const int* __restrict__ qblk, int bits_rs, int bits_cs,
                long long q_sb, long long q_st, long long q_skv, long long q_sg,
                long long k_sb, long long k_st, long long k_sh,
                long long v_sb, long long v_st, long long v_sh,
@@ -180,6 +187,7 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                long long dk_sb, long long dk_st, long long dk_sh,
                long long dv_sb, long long dv_st, long long dv_sh,
                int Cq, int Ck, int heads, int kv_heads, float scale) {
+    const BlockBits mb{bits, kblk, qblk, bits_rs, bits_cs};
     constexpr int BM = 16 * WARPS, NT = BN / 8, NK = D / 8, NV = DV / 8;
     constexpr bool WANT_DK = PART != 1, WANT_DV = PART != 2;
     using QK = smem_tile<T, D>;
@@ -202,12 +210,13 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     cp_async_commit();
 
     // This thread's two key rows and the interval of queries that see each.
-    int kf[2], kl[2];
+    int kf[2], kl[2], brow[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int key = k0 + warp * 16 + g + 8 * i;
         kf[i] = key < Ck ? kfirst[key] : 0;
         kl[i] = key < Ck ? klast[key] : -1;  // rows past the end are seen by no query
+        brow[i] = key < Ck ? mb.row(key) : 0;
     }
     float dk_acc[WANT_DK ? NK : 1][4], dv_acc[WANT_DV ? NV : 1][4];
 #pragma unroll
@@ -228,7 +237,8 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         const T* dob = dout + b * do_sb + hk * do_skv + gi * do_sg;
         for (int c0 = 0; c0 < Cq; c0 += BN) {
             const int qn = imin(BN, Cq - c0);
-            const int cls = classify_tile(first0, last0, first1, last1, qpos[c0], qpos[c0 + qn - 1]);
+            const int cls = combine_tiles(classify_tile(first0, last0, first1, last1, qpos[c0], qpos[c0 + qn - 1]),
+                                          mb.classify(k0, k1, c0, c0 + qn - 1));
             if (cls == TILE_EMPTY) continue;  // block-uniform
             __syncthreads();  // every warp is done with the previous query tile
             load_rows_async<T, D>(Qs, qb + c0 * q_st, q_st, BN, qn);
@@ -252,7 +262,8 @@ burst_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = 8 * j + 2 * t + (e & 1);
-                    const bool off = masked && (col >= qn || !in_interval(kf[e >> 1], kl[e >> 1], qpos[c0 + col]));
+                    const bool off = masked && (col >= qn || !in_interval(kf[e >> 1], kl[e >> 1], qpos[c0 + col])
+                                                || !mb.sees(brow[e >> 1], c0 + col));
                     p[j][e] = off ? 0.f : fast_exp2(p[j][e] * scale_log2 - lse_s[col]);
                 }
             if constexpr (WANT_DV) warp_gemm_pv<T, NV, NT>(dv_acc, p, dOs, VV::ld, scratch);  // dV += P^T dO

@@ -11,7 +11,9 @@
 //     float-only P scratch, WARPS x 16 x (BN + 4) fp32 (see tile.cuh)
 //   Reads   q (T), k, v (T); the mask (cuda/mask.cuh) as int32 arrays: qfirst, qlast
 //           (per query row, the global positions of the first and last key it sees) and
-//           kpos (per key row, its global position); and the running state acc (fp32,
+//           kpos (per key row, its global position); a block-sparse bitmap, or null
+//           (bits, qblk, kblk, bits_rs, bits_cs: mask.cuh's BlockBits, rows = queries);
+//           and the running state acc (fp32,
 //           unnormalised output), m (fp32 running max of the scaled scores, natural-log
 //           units), l (fp32 running sum of exp(s - m)).
 //           Key tiles no row of the block sees are skipped (neither loaded nor computed);
@@ -40,13 +42,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l,
           const int* __restrict__ qfirst, const int* __restrict__ qlast,
-          const int* __restrict__ kpos,
+          const int* __restrict__ kpos, const unsigned char* __restrict__ bits,
+          const int* __restrict__ qblk, const int* __restrict__ kblk, int bits_rs, int bits_cs,
           long long q_sb, long long q_st, long long q_skv, long long q_sg,
           long long k_sb, long long k_st, long long k_sh,
           long long v_sb, long long v_st, long long v_sh,
           long long a_sb, long long a_st, long long a_skv, long long a_sg,
           long long r_sb, long long r_st, long long r_skv, long long r_sg,
           int Cq, int Ck, int heads, int kv_heads, float scale) {
+    const BlockBits mb{bits, qblk, kblk, bits_rs, bits_cs};
     constexpr int BM = 16 * WARPS, NT = BN / 8, NO = DV / 8;
     using QK = smem_tile<T, D>;
     using VV = smem_tile<T, DV>;
@@ -68,7 +72,7 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     // This thread's two rows (g and g+8 of its warp's 16), their state and visible key
     // intervals. Inside the kernel m is kept in log2 units so that every exponential is
     // one ex2.
-    int row[2], qf[2], ql[2];
+    int row[2], qf[2], ql[2], brow[2];
     float mrow[2], lrow[2], o[NO][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -78,6 +82,7 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         const float* a = acc + b * a_sb + row[i] * a_st + hk * a_skv + gi * a_sg;
         qf[i] = ok ? qfirst[row[i]] : 0;
         ql[i] = ok ? qlast[row[i]] : -1;  // rows past the end see nothing
+        brow[i] = ok ? mb.row(row[i]) : 0;
         mrow[i] = ok ? m[r] * BURST_LOG2E : neg_inf();
         lrow[i] = ok ? l[r] : 0.f;
 #pragma unroll
@@ -95,14 +100,25 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     // barrier is ever skipped by some threads only). The loads are pipelined as in
     // FlashAttention-2: K of the next tile streams in during this tile's P V product, V of
     // this tile during its Q K^T.
-    int c0 = next_visible_tile(kpos, 0, Ck, BN, first0, last1);
+    auto tile_class = [&](int c) {
+        const int c1 = imin(c + BN, Ck) - 1;
+        return combine_tiles(classify_tile(first0, last0, first1, last1, kpos[c], kpos[c1]),
+                             mb.classify(q0, r1, c, c1));
+    };
+    auto next_tile = [&](int c) {
+        if (!mb.on()) return next_visible_tile(kpos, c, Ck, BN, first0, last1);
+        for (; c < Ck; c += BN)
+            if (tile_class(c) != TILE_EMPTY) return c;
+        return Ck;
+    };
+    int c0 = next_tile(0);
     if (c0 < Ck) {
         load_rows_async<T, D>(Ks, kb + c0 * k_st, k_st, BN, imin(BN, Ck - c0));
         cp_async_commit();
     }
     while (c0 < Ck) {
         const int kn = imin(BN, Ck - c0);
-        const int cls = classify_tile(first0, last0, first1, last1, kpos[c0], kpos[c0 + kn - 1]);
+        const int cls = tile_class(c0);
         __syncthreads();  // every warp is done with the previous V tile
         load_rows_async<T, DV>(Vs, vb + c0 * v_st, v_st, BN, kn);
         cp_async_commit();
@@ -117,7 +133,8 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = 8 * j + 2 * t + (e & 1);
-                const bool off = masked && (col >= kn || !in_interval(qf[e >> 1], ql[e >> 1], kpos[c0 + col]));
+                const bool off = masked && (col >= kn || !in_interval(qf[e >> 1], ql[e >> 1], kpos[c0 + col])
+                                            || !mb.sees(brow[e >> 1], c0 + col));
                 s[j][e] = off ? neg_inf() : s[j][e] * scale_log2;
             }
 
@@ -151,7 +168,7 @@ burst_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
         cp_async_wait<0>();
         __syncthreads();  // V is here for every thread, and every warp is done with K
-        const int next = next_visible_tile(kpos, c0 + BN, Ck, BN, first0, last1);
+        const int next = next_tile(c0 + BN);
         if (next < Ck) {
             load_rows_async<T, D>(Ks, kb + next * k_st, k_st, BN, imin(BN, Ck - next));
             cp_async_commit();

@@ -16,6 +16,8 @@
 #include "types.cuh"
 
 enum { TILE_EMPTY = 0, TILE_FULL = 1, TILE_PARTIAL = 2 };
+// The most bitmap cells a tile's classification reads (BlockBits::classify).
+enum { BLOCK_SCAN = 16 };
 
 // Column position p is visible from a row whose interval is [first, last].
 __device__ __forceinline__ bool in_interval(int first, int last, int p) {
@@ -47,4 +49,51 @@ __device__ __forceinline__ int next_visible_tile(const int* pos, int c0, int n, 
     for (; c0 < n; c0 += tile)
         if (!tile_empty(first0, last1, pos[c0], pos[imin(c0 + tile, n) - 1])) return c0;
     return n;
+}
+
+// Block-sparse masks (burstmpi.masks.BlockSparse) as a bitmap on top of the intervals.
+//
+// A bitmap is one byte per (query block, key block) of a head group's plane: a query at
+// position i sees a key at j (inside its interval) only if plane[(i / bs) * ld + j / bs].
+// The host hands every row its block index (pos / bs, as int32 arrays next to the
+// positions), so the kernels never divide, and views the plane from the side the kernel
+// walks: `rs` is the plane stride of a row's block, `cs` that of a column's (ld and 1 when
+// the rows are queries, 1 and ld when they are keys). `bits == nullptr`: no bitmap.
+struct BlockBits {
+    const unsigned char* bits;
+    const int* rblk;  // block index of each of the kernel's rows
+    const int* cblk;  // block index of each column (the side the tile loop walks)
+    int rs, cs;       // the host checks that the plane has fewer than 2^31 cells
+
+    __device__ __forceinline__ bool on() const { return bits != nullptr; }
+
+    // The plane offset of row r's block row (0 without a bitmap).
+    __device__ __forceinline__ int row(int r) const { return on() ? rblk[r] * rs : 0; }
+
+    // Does the row at plane offset `roff` see column c's block? (true without a bitmap)
+    __device__ __forceinline__ bool sees(int roff, int c) const {
+        return !on() || bits[roff + cblk[c] * cs] != 0;
+    }
+
+    // EMPTY, FULL or PARTIAL for the tile of rows r0..r1 and columns c0..c1, from the
+    // block ranges their ends span (positions increase along both, so every cell of the
+    // tile lies inside): FULL when every cell of the range is set, EMPTY when none is.
+    // Both are sound even where positions jump inside a tile (a zigzag seam): the range
+    // then covers more cells than the tile, never fewer. Ranges of more than
+    // BLOCK_SCAN cells are PARTIAL, which is always safe.
+    __device__ __forceinline__ int classify(int r0, int r1, int c0, int c1) const {
+        if (!on()) return TILE_FULL;
+        const int b0 = rblk[r0], b1 = rblk[r1], e0 = cblk[c0], e1 = cblk[c1];
+        if ((b1 - b0 + 1) * (e1 - e0 + 1) > BLOCK_SCAN) return TILE_PARTIAL;
+        int set = 0;
+        for (int x = b0; x <= b1; ++x)
+            for (int y = e0; y <= e1; ++y) set += bits[x * rs + y * cs] != 0;
+        return set == 0 ? TILE_EMPTY : (set == (b1 - b0 + 1) * (e1 - e0 + 1) ? TILE_FULL : TILE_PARTIAL);
+    }
+};
+
+// The class of a tile under both the intervals and the bitmap.
+__device__ __forceinline__ int combine_tiles(int by_interval, int by_bits) {
+    if (by_interval == TILE_EMPTY || by_bits == TILE_EMPTY) return TILE_EMPTY;
+    return by_interval == TILE_FULL && by_bits == TILE_FULL ? TILE_FULL : TILE_PARTIAL;
 }

@@ -306,6 +306,23 @@ def test_decode_mode_window():
         assert "# Out of bounds values : 0 OK" in res.output
 
 
+def test_decode_mode_sinks(tmp_path):
+    """--sinks: StreamingLLM decode (KVCache(sinks=)) checked against float64, the ring way
+    with the sinks too; the bytes per call do not grow with them or with the length."""
+    path = _shared(tmp_path) / "sinks.json"
+    res = CliRunner().invoke(main, DECODE + ["--window", "30,0", "--sinks", "5", "-T", "2", "-J", str(path)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    if RANK == 0:
+        assert "# Out of bounds values : 0 OK" in res.output
+        rows = json.loads(path.read_text())["rows"]
+        assert [r["sinks"] for r in rows] == [5, 5] and all(r["wrong"] == 0 for r in rows)
+        assert rows[0]["kb_per_call"] == rows[1]["kb_per_call"]
+    res = CliRunner().invoke(main, DECODE + ["--sinks", "4"])
+    assert res.exit_code == 2 and "--sinks keeps the first tokens beside a window" in res.output
+    res = CliRunner().invoke(main, SMALL + ["--sinks", "4"])
+    assert res.exit_code == 2 and "--sinks is a --decode option" in res.output
+
+
 def test_legend_defines_every_column_of_both_modes():
     from burstmpi.bench import attention, decode
 

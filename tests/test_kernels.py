@@ -45,8 +45,12 @@ def test_launch_is_plain_data():
     assert spec.grid == (2, 4, 2) and spec.block == (128, 1, 1)
     assert spec.smem == kernels.smem_bytes("fwd", "float16", 64, 64, kernels.Config(4, 64))
     kinds = "".join(kind for kind, _ in spec.args)
-    assert kinds == "p" * 9 + "q" * (4 + 3 + 3 + 4 + 4) + "i" * 4 + "f"
+    # 6 tensors, the mask's 3 arrays, the bitmap's 3 (null: none) and its 2 strides, then strides.
+    assert kinds == "p" * 12 + "ii" + "q" * (4 + 3 + 3 + 4 + 4) + "i" * 4 + "f"
     assert [value for _, value in spec.args[6:9]] == [0x1000, 0x2000, 0x3000]  # qfirst, qlast, kpos
+    assert [value for _, value in spec.args[9:14]] == [0, 0, 0, 0, 0]
+    bits = kernels.Bitmap(0x5000, 0x6000, 0x7000, ld=9, cells=81)
+    assert [value for _, value in _fwd(bits=bits).args[9:14]] == [0x5000, 0x6000, 0x7000, 9, 1]
     common = dict(q=GROUPED, k=ALIGNED, v=ALIGNED, dout=GROUPED, lse=GROUPED, dsum=GROUPED, batch=1,
                   cq=10, ck=10, heads=2, kv_heads=1, scale=1.0)
     dq = kernels.bwd_dq("bfloat16", 64, 64, dq=GROUPED, qfirst=1, qlast=2, kpos=3, **common)
@@ -55,6 +59,13 @@ def test_launch_is_plain_data():
                            **common)
     assert [s.kernel[-3:] for s in two] == [" 1>", " 2>"]
     assert all([value for _, value in s.args[8:11]] == [4, 5, 6] for s in two)
+    # dK/dV's rows are keys: the plane is read with the key block as the row's.
+    two = kernels.bwd_dkdv("bfloat16", 256, 256, dk=ALIGNED, dv_=ALIGNED, qpos=4, kfirst=5, klast=6, bits=bits,
+                           **common)
+    assert [value for _, value in two[0].args[11:16]] == [0x5000, 0x7000, 0x6000, 1, 9]
+    with pytest.raises(ValueError, match=r"bwd_dq: bits: expected a plane of 1 .. 2\*\*31 - 1 cells"):
+        kernels.bwd_dq("bfloat16", 64, 64, dq=GROUPED, qfirst=1, qlast=2, kpos=3, bits=bits._replace(cells=2 ** 31),
+                       **common)
     assert "".join(kind for kind, _ in two[0].args).endswith("i" * 4 + "f")
 
 

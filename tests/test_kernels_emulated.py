@@ -251,8 +251,8 @@ MISTAKES = [
     ("online softmax: accumulator not rescaled", "o[j][2 * i] *= alpha;", "o[j][2 * i] *= 1.f;"),
     ("dK/dV: D read for the wrong column", "p[j][e] *= dp[j][e] - D_s[col];", "p[j][e] *= dp[j][e] - D_s[g];"),
     ("dQ: rows g+8 masked with row g's interval",
-     "!in_interval(qf[i], ql[i], kpos[c0 + col]));\n                const float pv",
-     "!in_interval(qf[0], ql[0], kpos[c0 + col]));\n                const float pv"),
+     "!in_interval(qf[i], ql[i], kpos[c0 + col])\n",
+     "!in_interval(qf[0], ql[0], kpos[c0 + col])\n"),
 ]
 
 

@@ -178,6 +178,58 @@ def test_emulated_kernels_with_mask(lib, name, dtype, mode):
     assert plan.backend is be
 
 
+def bitmap_masks(n):
+    """Block-sparse masks whose blocks are as large as the kernels' tiles or larger, so the
+    bitmap decides whole tiles (cuda/mask.cuh: FULL, EMPTY, and PARTIAL across a seam),
+    alone, under a causal mask and beside a window, one per head too."""
+    return {"blocks32&causal": BlockSparse(_blocks(n, 32, 0.5, 4), 32) & Causal(),
+            "blocks64|window": BlockSparse(_blocks(n, 64, 0.4, 5), 64) | Window(3, 0),
+            "per-head-blocks48": BlockSparse(_blocks(n, 48, 0.5, 6, 4), 48)}
+
+
+@pytest_kernels
+@pytest.mark.parametrize("name", list(bitmap_masks(64)))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_emulated_kernels_read_the_bitmap(lib, name, dtype):
+    """The kernels take a block-sparse mask as one launch per block pair, reading the
+    bitmap (no launch per rectangle of set blocks), and match float64."""
+    N = 100 * NRANKS + 17
+    be = kh.EmulatedBackend(lib)
+    layout = "zigzag" if "causal" in name else "contiguous"
+    check_against_float64(N=N, Z=4, Zkv=2, d=32, dtype=dtype, layout=layout, bwd_comm="ring", backend=be,
+                          mask=bitmap_masks(N)[name], tag="kernels bitmap ")
+    # Forward: at most one launch per (head group, term) of each step, and the finalize.
+    assert be.launches <= 2 * 4 * (NRANKS + 1) * 3 + 8, be.launches
+
+
+SEEDED_BITMAP = [
+    ("a tile is FULL when any of its blocks is set",
+     "set == 0 ? TILE_EMPTY : (set == (b1 - b0 + 1) * (e1 - e0 + 1) ? TILE_FULL : TILE_PARTIAL)",
+     "set == 0 ? TILE_EMPTY : TILE_FULL"),
+    ("partial tiles ignore the bitmap", "return !on() || bits[roff + cblk[c] * cs] != 0;", "return true;"),
+]
+
+
+@pytest_kernels
+@pytest.mark.parametrize("what,right,wrong", SEEDED_BITMAP)
+def test_seeded_bitmap_mistakes_are_caught(what, right, wrong):
+    """The bitmap test above catches a wrong tile class and a missing per-element test."""
+    from burstmpi import kernels
+
+    src, _ = kernels.program()
+    assert src.count(right) == 1, what
+    names = [n for n in kernels.kernel_names("float32", 32, 32) if "decode" not in n]
+    if RANK == 0:
+        kh.build(names, src.replace(right, wrong))
+    COMM.Barrier()
+    seeded = kh.build(names, src.replace(right, wrong))
+    N = 100 * NRANKS + 17
+    with pytest.raises(AssertionError):
+        check_against_float64(N=N, Z=4, Zkv=2, d=32, dtype="float32", layout="zigzag", bwd_comm="ring",
+                              backend=kh.EmulatedBackend(seeded), mask=bitmap_masks(N)["blocks32&causal"],
+                              tag="seeded ", record=False)
+
+
 # -- what is skipped --------------------------------------------------------------------
 
 
@@ -207,17 +259,23 @@ def test_block_diagonal_mask_moves_nothing():
 
 def test_sinks_and_window_bytes():
     """Sinks + a window shorter than a shard: the keys a rank's queries see are the sinks and
-    the window's reach into its neighbour; the packets carry those rows, not the blocks."""
+    the window's reach into its neighbour. The packets carry those rows, not the blocks, and
+    shrink on the way: past its neighbour, rank 0's packet holds the sinks alone."""
     C, w, s = 32, 5, 2
     N = C * NRANKS
     st = _run(Sinks(s) | Window(w, 0), N, mode="ring")
     # Rank 0 sees its own keys, rank 1 rank 0's too, every later rank its neighbour's and the sinks.
     assert st.forward.steps_computed == min(RANK + 1, 3)
-    per_row = 2 * 2 * 16 * 4  # K and V, 2 KV heads, d 16, float32
-    packet = s + w  # rank 0's travelling rows: the sinks and the window's reach; the most any rank sends
-    # Rank 0 sends its packet once, every middle rank its own and rank 0's (the sinks) on.
-    sends = 1 if RANK == 0 and NRANKS > 1 else (2 if 0 < RANK < NRANKS - 1 else 0)
-    assert st.forward.bytes_sent == sends * packet * per_row, (sends, st.forward)
+    per_row = 2 * 2 * 16 * 4  # K and V (or their float32 gradients), 2 KV heads, d 16
+    rows = lambda o: s + w if o == 0 else w  # an owner's travelling rows
+    # Rank 0 sends its sinks and window rows; a middle rank its own window rows, and the
+    # sinks on to the next rank; the last rank's keys are seen by no one else.
+    sent = (s + w if RANK == 0 else w + s) if RANK < NRANKS - 1 else 0
+    assert st.forward.bytes_sent == sent * per_row, st.forward
+    # "ring" backward: the same packets, and every partial that exists (those of ranks with
+    # a next rank) goes on from every rank but its owner, round to home, whole.
+    partials = sum(rows(o) for o in range(NRANKS - 1) if o != RANK)
+    assert st.backward.bytes_sent == (sent + partials) * per_row, st.backward
 
 
 # -- bad masks ----------------------------------------------------------------------------

@@ -52,13 +52,10 @@ def _dtype_name(dtype):
 
 
 class _Ptrs(NamedTuple):
-    """Device addresses of a block's int32 row arrays; ``at(i)``: from row i on."""
+    """Device addresses of a block's int32 row arrays."""
     pos: int
     first: int
     last: int
-
-    def at(self, i):
-        return _Ptrs(*(p + 4 * i for p in self))
 
 
 class KernelBackend:
@@ -74,6 +71,7 @@ class KernelBackend:
     def __init__(self, smem_limit=kernels.SMEM_LIMIT["sm_80"]):
         self.smem_limit = smem_limit
         self._ints = {}
+        self._planes = {}  # id(filter) -> (filter, device plane): see _bitmap
         self._decode_modules = {}  # V head dim -> the (dtype, d, dv) module decode last used
 
     # -- what a subclass provides ------------------------------------------------------
@@ -167,31 +165,45 @@ class KernelBackend:
         """Device addresses of a Block's int32 positions, first and last ends (``_device_ints``)."""
         return _Ptrs(*(self._device_ints(x) for x in (block.pos, block.first, block.last)))
 
+    def _bitmap(self, blocks, qb, kb):
+        """The ``kernels.Bitmap`` of a block-sparse filter for a block pair, or None: the
+        plane on the device (kept per filter, ``_PLANES_KEPT`` of them) and both sides'
+        block indices (``_device_ints``)."""
+        if blocks is None:
+            return None
+        entry = self._planes.pop(id(blocks), None)
+        if entry is None or entry[0] is not blocks:
+            plane = blocks.plane
+            if plane.size >= 2 ** 31:
+                raise ValueError(f"backend 'cuda': mask: expected a block-sparse plane of < 2**31 blocks, "
+                                 f"got {plane.shape[0]} x {plane.shape[1]}")
+            if len(self._planes) >= self._PLANES_KEPT:
+                del self._planes[next(iter(self._planes))]
+            entry = (blocks, self.to_device(np.ascontiguousarray(plane, dtype=np.uint8)))
+        self._planes[id(blocks)] = entry  # the most recently used last
+        dev = entry[1]
+        return kernels.Bitmap(self.ptr(dev), self._device_ints(qb.pos // blocks.bs),
+                              self._device_ints(kb.pos // blocks.bs), dev.shape[1], dev.size)
+
+    _PLANES_KEPT = 8
+
     def fwd_block(self, q, k, v, state, qb, kb, scale, poll=None, blocks=None):
         """Merge key block ``k``, ``v`` into the state of queries ``q``; ``qb``, ``kb``
         are the masks.intervals.Block of the query and the key rows; ``blocks``, a
-        block-sparse filter on top: launched once per rectangle of set blocks
-        (``masks.blocks.BlockFilter.rectangles``), each reading its rows' ends where the
-        whole block's lie on the device."""
+        block-sparse filter on top, which the kernels read as a bitmap (cuda/mask.cuh):
+        tiles of unset blocks are skipped, tiles of set ones run unmasked."""
         acc, m, l = state
         C, Ck = q.shape[2], k.shape[2]
         if self._rows("fwd_block", qb, kb, C, Ck):  # else no pair: the state stays
             qp, kp = self._ptrs(qb), self._ptrs(kb)
-            rects = [(0, C, 0, Ck)] if blocks is None else blocks.rectangles(qb, kb)
-            for q0, q1, k0, k1 in rects:
-                qs, ks = slice(q0, q1), slice(k0, k1)
-                self._fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], acc[:, :, qs], m[:, :, qs], l[:, :, qs],
-                          qp.at(q0), kp.at(k0), scale)
+            B, Zkv, _, g, d = q.shape
+            self._run(kernels.fwd(
+                _dtype_name(q.dtype), d, v.shape[-1], q=self._grouped(q), k=self._keyed(k),
+                v=self._keyed(v), acc=self._grouped(acc), m=self._grouped(m), l=self._grouped(l),
+                qfirst=qp.first, qlast=qp.last, kpos=kp.pos, batch=B, cq=C, ck=Ck, heads=Zkv * g,
+                kv_heads=Zkv, scale=scale, bits=self._bitmap(blocks, qb, kb), smem_limit=self.smem_limit))
         if poll is not None:
             poll()
-
-    def _fwd(self, q, k, v, acc, m, l, qp, kp, scale):
-        B, Zkv, C, g, d = q.shape
-        self._run(kernels.fwd(
-            _dtype_name(q.dtype), d, v.shape[-1], q=self._grouped(q), k=self._keyed(k),
-            v=self._keyed(v), acc=self._grouped(acc), m=self._grouped(m), l=self._grouped(l),
-            qfirst=qp.first, qlast=qp.last, kpos=kp.pos, batch=B, cq=C, ck=k.shape[2], heads=Zkv * g,
-            kv_heads=Zkv, scale=scale, smem_limit=self.smem_limit))
 
     def fwd_finalize(self, state, dtype, out=None):
         """(out, lse) from the running state; the kernel writes ``out`` through its strides,
@@ -238,22 +250,17 @@ class KernelBackend:
         two-way ring computes each on its own rank)."""
         C, Ck = q.shape[2], k.shape[2]
         if self._rows("bwd_block", qb, kb, C, Ck):  # else no pair: nothing to add
-            qp, kp = self._ptrs(qb), self._ptrs(kb)
-            rects = [(0, C, 0, Ck)] if blocks is None else blocks.rectangles(qb, kb)
-            cut = lambda x, sl: None if x is None else x[:, :, sl]
-            for q0, q1, k0, k1 in rects:
-                qs, ks = slice(q0, q1), slice(k0, k1)
-                self._bwd(q[:, :, qs], do[:, :, qs], D[:, :, qs], lse[:, :, qs], k[:, :, ks], v[:, :, ks],
-                          cut(dq, qs), cut(dk, ks), cut(dv, ks), qp.at(q0), kp.at(k0), scale)
+            self._bwd(q, do, D, lse, k, v, dq, dk, dv, self._ptrs(qb), self._ptrs(kb), scale,
+                      self._bitmap(blocks, qb, kb))
         if poll is not None:
             poll()
 
-    def _bwd(self, q, do, D, lse, k, v, dq, dk, dv, qp, kp, scale):
+    def _bwd(self, q, do, D, lse, k, v, dq, dk, dv, qp, kp, scale, bits):
         B, Zkv, C, g, d = q.shape
         common = dict(q=self._grouped(q), k=self._keyed(k), v=self._keyed(v),
                       dout=self._grouped(do), lse=self._grouped(lse), dsum=self._grouped(D),
                       batch=B, cq=C, ck=k.shape[2], heads=Zkv * g, kv_heads=Zkv, scale=scale,
-                      smem_limit=self.smem_limit)
+                      bits=bits, smem_limit=self.smem_limit)
         dtype, dvd = _dtype_name(q.dtype), v.shape[-1]
         # dQ walks key columns from the query rows, dK/dV query columns from the key rows.
         if dq is not None:

@@ -112,14 +112,35 @@ def _tile_plan(qb, kb, tq, tk, blocks=None):
         js = np.nonzero(cls[i] != EMPTY)[0]
         if len(js) == 0:
             continue
-        partial = cls[i, js] == PARTIAL
+        c0s, c1s, partial = bounds[js, 0], bounds[js, 1], cls[i, js] == PARTIAL
+        if blocks is not None:
+            c0s, c1s, partial = _join_full(c0s, c1s, partial, tk)
         iv = np.where(partial, np.cumsum(partial) - 1, -1).astype(np.int64)
         runs = [(np.searchsorted(kpos[c0:c1], qb.first[r0:r1], "left"),
-                 np.searchsorted(kpos[c0:c1], qb.last[r0:r1], "right")) for c0, c1 in bounds[js[partial]]]
+                 np.searchsorted(kpos[c0:c1], qb.last[r0:r1], "right"))
+                for c0, c1 in zip(c0s[partial], c1s[partial])]
         lo = np.array([a for a, _ in runs], np.int64).reshape(len(runs), r1 - r0)
         hi = np.array([b for _, b in runs], np.int64).reshape(len(runs), r1 - r0)
-        plan.append((r0, r1, (bounds[js, 0].copy(), bounds[js, 1].copy(), iv, lo, hi)))
+        plan.append((r0, r1, (c0s.copy(), c1s.copy(), iv, lo, hi)))
     return plan
+
+
+def _join_full(c0, c1, partial, tk):
+    """A row's key tiles with each run of adjacent FULL tiles (set blocks side by side,
+    whose tiles a block-sparse mask cut apart) joined into tiles of at most ``tk``
+    columns: fewer, wider GEMMs for the same pairs. (c0, c1, partial) of the result."""
+    n = len(c0)
+    full = ~partial
+    join = np.zeros(n, bool)
+    join[1:] = full[1:] & full[:-1] & (c0[1:] == c1[:-1])
+    if not join.any():
+        return c0, c1, partial
+    per = max(1, tk // int((c1 - c0).max()))  # tiles a joined one may hold
+    idx = np.arange(n)
+    since = idx - np.maximum.accumulate(np.where(join, 0, idx))  # place in its run
+    starts = np.flatnonzero(~join | (since % per == 0))
+    ends = np.r_[starts[1:], n] - 1
+    return c0[starts], c1[ends], partial[starts]
 
 
 def _bands(plan, count):

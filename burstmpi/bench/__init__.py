@@ -93,6 +93,9 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
                    "compared with the ring way and one rank (burstmpi/bench/decode.py).")
 @click.option("-T", "--tokens", default=1, show_default=True, type=click.IntRange(1),
               help="Decode mode: new tokens per decode call.")
+@click.option("--sinks", default=0, show_default=True, type=click.IntRange(0),
+              help="Decode mode, with --window LEFT,0: keep the first SINKS tokens for the life of the cache "
+                   "(StreamingLLM; KVCache(sinks=)). Attention mode: use --mask streaming:SINKS:WINDOW.")
 @click.pass_context
 def main(ctx, **opts):
     """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
@@ -106,7 +109,9 @@ def main(ctx, **opts):
     if opts.pop("decode"):
         decode_mode.main(comm, ctx, opts)
     else:
-        if ctx.get_parameter_source("tokens") == click.core.ParameterSource.COMMANDLINE:
-            raise click.UsageError("-T/--tokens is a --decode option")
-        opts.pop("tokens")
+        for name, flag in (("tokens", "-T/--tokens"), ("sinks", "--sinks")):
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+                raise click.UsageError(f"{flag} is a --decode option" + (
+                    " (attention with sinks: --mask streaming:SINKS:WINDOW)" if name == "sinks" else ""))
+            opts.pop(name)
         attention.main(comm, ctx, opts)

@@ -69,7 +69,8 @@ LEGEND = {
                "pages count in every rank that reads them",
     "wrong": "values of the checked call's out and lse outside the dtype's tolerance against float64",
 }
-CONFIG_KEYS = ("mode", "seqlen", "tokens", "batch", "heads", "kv_heads", "head_dim", "dtype", "window", "ranks")
+CONFIG_KEYS = ("mode", "seqlen", "tokens", "batch", "heads", "kv_heads", "head_dim", "dtype", "window", "sinks",
+               "ranks")
 TAG_RING = 31
 def _new_tokens(cfg, seed, i):
     """The i-th call's q, k, v: the same on every rank."""
@@ -87,7 +88,7 @@ def _filled_cache(comm, cfg, seed, dev, window, extra, N=None):
     B, Zkv, d = cfg["batch"], cfg["kv_heads"], cfg["head_dim"]
     dt = np_dtype(cfg["dtype"])
     cache = KVCache(comm, capacity=capacity(cfg, window, extra, N), batch=B, kv_heads=Zkv, head_dim=d,
-                    dtype=dt, window=window, backend=dev.backend)
+                    dtype=dt, window=window, sinks=cfg.get("sinks") or 0, backend=dev.backend)
     piece = piece_tokens(cfg, P)
     for i, start in enumerate(range(0, N, piece)):
         C = layout_of("contiguous", P, min(piece, N - start)).count(rank)
@@ -111,6 +112,7 @@ def ring_prepare(cache):
     B, Zkv, d, dv, S = cache.batch, cache.kv_heads, cache.head_dim, cache.v_head_dim, max(ns)
     fields = [("k", (B, Zkv, S, d), cache.dtype), ("v", (B, Zkv, S, dv), cache.dtype), ("kpos", (S,), np.int32)]
     (chan,) = rt.channels("decode-ring", [(Channel, fields, TAG_RING, +1)])
+    ns = list(zip(ns, rt.comm.allgather(int(np.count_nonzero(pos < cache.sinks)))))  # (rows, sinks first)
     cur = chan.current
     cur["k"][:, :, :pos.size] = k.transpose(0, 2, 1, 3)
     cur["v"][:, :, :pos.size] = v.transpose(0, 2, 1, 3)
@@ -135,7 +137,9 @@ def ring_decode(cache, q, state):
     g = Z // Zkv
     acc = be.acc_dtype(cache.dtype)
     R = B * T * Z
-    parts_out, parts_lse = xp.empty((P, R, dv), acc), xp.empty((P, R), acc)
+    # With sinks a shard is two partials, its sinks (seen from any distance) and the rest.
+    parts = 2 if cache.sinks else 1
+    parts_out, parts_lse = xp.empty((parts * P, R, dv), acc), xp.empty((parts * P, R), acc)
     qg = q.reshape(B, T, Zkv, g, d).transpose(0, 2, 1, 3, 4)
     for step in range(P):
         owner = (me - step) % P
@@ -143,9 +147,13 @@ def ring_decode(cache, q, state):
         with rt.transport.group():
             if more:
                 chan.post(send=True, recv=True)
-        be.decode(qg, cur["k"], cur["v"], cur["kpos"], ns[owner], cache.seqlen, cache.left, cache.scale,
-                  parts_out[owner].reshape(B, T, Zkv, g, dv).transpose(0, 2, 1, 3, 4),
-                  parts_lse[owner].reshape(B, T, Zkv, g).transpose(0, 2, 1, 3))
+        n, m = ns[owner]
+        pieces = [(0, n, cache.left)] if parts == 1 else [(0, m, -1), (m, n, cache.left)]
+        for i, (a, b, left) in enumerate(pieces):
+            at = parts * owner + i
+            be.decode(qg, cur["k"][:, :, a:], cur["v"][:, :, a:], cur["kpos"][a:], b - a, cache.seqlen, left,
+                      cache.scale, parts_out[at].reshape(B, T, Zkv, g, dv).transpose(0, 2, 1, 3, 4),
+                      parts_lse[at].reshape(B, T, Zkv, g).transpose(0, 2, 1, 3))
         if more:
             chan.wait()
             cur = chan.current
@@ -155,7 +163,7 @@ def ring_decode(cache, q, state):
     return out.reshape(B, T, Z, dv), chan.bytes_sent
 
 
-def _float64_decode(comm, cache, q, window):
+def _float64_decode(comm, cache, q, window, sinks=0):
     """The exact result of the last call over everything cached: each rank's shard in
     float64 (dense, written from the definition) a chunk of CHECK_BYTES at a time, merged
     online and then over the ranks in float64: (out, lse) on every rank. Holds one chunk
@@ -175,7 +183,7 @@ def _float64_decode(comm, cache, q, window):
         kc, vc, pc = host(k[:, c0:c0 + chunk]), host(v[:, c0:c0 + chunk]), pos[c0:c0 + chunk]
         seen = pc[None, :] <= qpos[:, None]
         if window is not None and window[0] >= 0:
-            seen &= pc[None, :] >= qpos[:, None] - window[0]
+            seen &= (pc[None, :] >= qpos[:, None] - window[0]) | (pc[None, :] < sinks)
         s = np.einsum("btkgd,bnkd->btkgn", qg, kc)  # scores, then probabilities, in place:
         s *= cache.scale                             # one chunk-sized array besides kc, vc
         s[~np.broadcast_to(seen[None, :, None, None, :], s.shape)] = -np.inf
@@ -199,7 +207,7 @@ def _float64_decode(comm, cache, q, window):
 
 
 def _count_wrong(comm, cfg, cache, q, out, lse, window, dev):
-    ref_out, ref_lse = _float64_decode(comm, cache, q, window)
+    ref_out, ref_lse = _float64_decode(comm, cache, q, window, cfg.get("sinks") or 0)
     atol, rtol = TOLERANCE[cfg["dtype"]]
     bad = 0
     for ours, ref in ((dev.host(out), ref_out), (dev.host(lse), ref_lse)):
@@ -320,20 +328,24 @@ def main(comm, ctx, o):
     window = o["window"]
     if window is not None and window[1] not in (0, -1):
         raise click.BadParameter(f"--decode is causal: the window's right bound must be 0 or -1, got {window}")
+    if o["sinks"] and (window is None or window[0] < 0):
+        raise click.BadParameter(f"--sinks keeps the first tokens beside a window: expected --window LEFT,0 with "
+                                 f"LEFT >= 0, got {window}")
     heads = o["heads"]
     kv_heads = heads if o["kv_heads"] is None else o["kv_heads"]
     if heads % kv_heads:
         raise click.BadParameter(f"--kv-heads must divide --heads ({heads}), got {kv_heads}")
     dev = resolve_device(comm, o["backend"])
     configs = [dict(seqlen=n, tokens=o["tokens"], batch=o["batch"], heads=heads, kv_heads=kv_heads,
-                    head_dim=o["head_dim"], dtype=dt)
+                    head_dim=o["head_dim"], dtype=dt,
+                    sinks=o["sinks"] or None)  # None: rows match baselines from before --sinks
                for n in seqlens(o["minseq"], o["maxseq"], o["stepfactor"])
                for dt in choices(o["dtype"], DTYPES)
                if not (dev.backend == "cuda" and dt == "float64")]
     params = dict(mode="decode", minseq=o["minseq"], maxseq=o["maxseq"], stepfactor=o["stepfactor"],
                   tokens=o["tokens"], iters=o["iters"], warmup=o["warmup"], check=o["check"], dtype=o["dtype"],
                   average=REDUCE[o["reduce"]][0], batch=o["batch"], heads=heads, kv_heads=kv_heads,
-                  head_dim=o["head_dim"], window=window, seed=o["seed"], backend=dev.backend,
+                  head_dim=o["head_dim"], window=window, sinks=o["sinks"], seed=o["seed"], backend=dev.backend,
                   baseline=o["baseline"], tolerance=o["tolerance"] if o["baseline"] else None,
                   mem_limit=o["mem_limit"])
     budget = budget_for(comm, dev, o["mem_limit"])

@@ -113,8 +113,9 @@ def per_token(cfg):
 
 
 def capacity(cfg, window, extra, N):
-    """The cache's capacity for N cached tokens and ``extra`` more (with a window: its tail)."""
-    return N + extra if window is None else min(N, window[0]) + extra
+    """The cache's capacity for N cached tokens and ``extra`` more (with a window: its tail,
+    and the sinks)."""
+    return N + extra if window is None else min(N, window[0]) + extra + (cfg.get("sinks") or 0)
 
 
 def piece_tokens(cfg, P):

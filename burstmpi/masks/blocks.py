@@ -12,10 +12,10 @@ asks of a term is answered with the bitmap in O(blocks):
   ``G_b(last) - G_b(first - 1)``, two lookups;
 * ``tile_visible``: whether a (query tile, key tile) pair of tiles that each lie inside one
   block is set: the CPU tile loops cut their tiles at block boundaries and drop the unset
-  pairs, so a set block costs what a dense tile does and an unset one nothing;
-* ``rectangles``: the (query rows, key rows) ranges of set blocks, merged along key runs,
-  for backends that take a plain interval mask only (the CUDA kernels launch once per
-  rectangle).
+  pairs, so a set block costs what a dense tile does and an unset one nothing.
+
+The CUDA kernels read the plane itself (cuda/mask.cuh, ``BlockBits``), with the block
+index of every row beside its position.
 """
 
 import numpy as np
@@ -84,27 +84,3 @@ class BlockFilter:
         """Set bits for tiles whose first rows are at ``qpos`` and first columns at ``kpos``
         (each tile inside one block): a (len(qpos), len(kpos)) bool array."""
         return self.plane[np.asarray(qpos) // self.bs][:, np.asarray(kpos) // self.bs]
-
-    def rectangles(self, qblock, kblock):
-        """(q0, q1, k0, k1) local row ranges whose pairs lie in set blocks: per query block
-        row, the key rows of its set blocks, adjacent ranges merged."""
-        bs = self.bs
-        if not len(qblock.pos) or not len(kblock.pos):
-            return []
-        qb, kb = qblock.pos // bs, kblock.pos // bs
-        qcut = np.flatnonzero(np.diff(qb)) + 1
-        kcut = np.flatnonzero(np.diff(kb)) + 1
-        q_starts, q_ends = np.r_[0, qcut], np.r_[qcut, len(qb)]
-        k_starts, k_ends = np.r_[0, kcut], np.r_[kcut, len(kb)]
-        k_blocks = kb[k_starts]
-        out = []
-        for a, b in zip(q_starts, q_ends):
-            on = self.plane[qb[a], k_blocks]
-            if not on.any():
-                continue
-            idx = np.flatnonzero(on)
-            # runs of consecutive key groups (adjacent local rows)
-            brk = np.flatnonzero(np.diff(idx) != 1) + 1
-            for run in np.split(idx, brk):
-                out.append((int(a), int(b), int(k_starts[run[0]]), int(k_ends[run[-1]])))
-        return out
