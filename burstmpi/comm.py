@@ -24,6 +24,10 @@ from mpi4py import MPI
 __all__ = ["private_comm", "complete", "MPITransport", "StagedMPITransport", "Channel", "PartialChannel",
            "field_bytes", "Packet", "rows_bytes"]
 
+# A partial going home travels on its own tag: its owner may be receiving another partial
+# from the same rank at the same time (two ranks: the next rank is the previous one).
+HOME_TAG_OFFSET = 500
+
 # Every field of a packet starts on a 16-byte boundary: the CUDA kernels copy rows with
 # 16-byte cp.async, and views into one buffer keep the alignment only if each field does.
 FIELD_ALIGN = 16
@@ -343,26 +347,28 @@ class PartialChannel:
 
     A partial holds as many rows as its packet had when it left its owner (``rows`` in
     ``post_recv`` and ``send_buffer``; all of them when not given), in the same layout as
-    ``Packet``: one message of just those rows."""
+    ``Packet``: one message of just those rows. The last rank to add to a partial sends it
+    straight home (``post_send(dest=)``); the owner receives its own into a buffer of its
+    own (``home=True``), as that may arrive while another partial passes through."""
 
     @staticmethod
     def copies(single):
-        """Partial-sized buffers it allocates: one receive and two alternating sends; a
-        ring of one rank has no partials, so one (unused) buffer stands for all three."""
-        return 1 if single else 3
+        """Partial-sized buffers it allocates: one receive, two alternating sends and the
+        home one; a ring of one rank has no partials, so one (unused) buffer stands for all."""
+        return 1 if single else 4
 
     def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False, stage=None):
         self.transport = transport
         self.send_to, self.recv_from, self.tag = send_to, recv_from, tag
         bufs = [Packet(fields, alloc) for _ in range(self.copies(single))]
         if single:
-            bufs = bufs * 3
-        self._recv, self._send = bufs[0], bufs[1:3]
+            bufs = bufs * 4
+        self._recv, self._send, self._home = bufs[0], bufs[1:3], bufs[3]
         self.rows = bufs[0].rows
         self._send_reqs = [None, None]
         self._next = 0
-        self._recv_req = None
-        self._recv_rows = self._send_rows = self.rows
+        self._recvs = {}  # home? -> (request, buffer, rows)
+        self._send_rows = self.rows
         self.nbytes = self._recv.raw.nbytes
         self.bytes_sent = self.bytes_recv = 0
 
@@ -370,22 +376,27 @@ class PartialChannel:
         """A phase starts (``Runtime.channels``): its byte counts start from zero."""
         self.bytes_sent = self.bytes_recv = 0
 
-    def post_recv(self, source=None, rows=None):
-        if self._recv_req is not None:
+    def post_recv(self, source=None, rows=None, home=False):
+        if home in self._recvs:
             raise RuntimeError("PartialChannel.post_recv: the previous receive is still pending")
         src = self.recv_from if source is None else source
-        self._recv_rows = self.rows if rows is None else rows
-        into = self._recv.message(self._recv_rows)
-        self._recv_req = self.transport.irecv(into, src, self.tag)
+        rows = self.rows if rows is None else rows
+        buf = self._home if home else self._recv
+        into = buf.message(rows)
+        self._recvs[home] = (self.transport.irecv(into, src, self.tag + (HOME_TAG_OFFSET if home else 0)), buf, rows)
         self.bytes_recv += into.nbytes
 
-    def received(self):
-        """Wait for the posted receive and return its views."""
-        if self._recv_req is None:
+    def received(self, home=False):
+        """Wait for the posted receive (the home one: ``home``) and return its views."""
+        if home not in self._recvs:
             raise RuntimeError("PartialChannel.received: no receive was posted")
-        self.transport.wait([self._recv_req])
-        self._recv_req = None
-        return self._recv.views(self._recv_rows)
+        req, buf, rows = self._recvs.pop(home)
+        self.transport.wait([req])
+        return buf.views(rows)
+
+    @staticmethod
+    def done():
+        """The last partial received has been added (its buffer is free here already)."""
 
     def send_buffer(self, rows=None):
         """Return zeroed views of the next send buffer, for ``rows`` rows (waiting for its
@@ -398,18 +409,20 @@ class PartialChannel:
         self._send[i].message(self._send_rows).fill(0)
         return self._send[i].views(self._send_rows)
 
-    def post_send(self):
-        """Send the buffer last returned by ``send_buffer``."""
+    def post_send(self, dest=None, home=False):
+        """Send the buffer last returned by ``send_buffer`` to the next rank, or to
+        ``dest``; ``home``: it goes to its owner, which receives it with ``home=True``."""
         i = self._next
         out = self._send[i].message(self._send_rows)
-        self._send_reqs[i] = self.transport.isend(out, self.send_to, self.tag)
+        self._send_reqs[i] = self.transport.isend(out, self.send_to if dest is None else dest,
+                                                  self.tag + (HOME_TAG_OFFSET if home else 0))
         self.bytes_sent += out.nbytes
         self._next = 1 - i
 
     def progress(self):
         """Move the partial's transfers along; True while some are still in flight (as
         ``Channel.progress``: the compute loop keeps polling until both say False)."""
-        reqs = [r for r in (*self._send_reqs, self._recv_req) if r is not None]
+        reqs = [r for r in (*self._send_reqs, *(req for req, _, _ in self._recvs.values())) if r is not None]
         return bool(reqs) and not self.transport.progress(reqs)
 
     def drain(self):

@@ -249,6 +249,15 @@ def bwd_pieces(be, q, do, D, lse, k, v, dq, dk, dv, pieces, scale, poll=None):
                          cut_q(dq, zs, gs), cut_k(dk, zs), cut_k(dv, zs), qb, kb, scale, poll=poll, blocks=blocks)
 
 
+def _add_home(timer, part, grads, at):
+    """Add our travelling rows' partial, home from its last contributor, to those rows
+    (``at``). Our accumulators take no other term for them after step 0, so it may come
+    at any step; it is acknowledged at once (``done``), so its sender may reuse the buffer."""
+    for name, view in timer.run("wait", part.received, home=True).items():
+        grads[name][:, :, at] += view
+    part.done()
+
+
 def key_operands(k, v):
     """The key side {k, v} in the working layout (B, Zkv, C, d): views, no copies."""
     return {"k": k.transpose(0, 2, 1, 3), "v": v.transpose(0, 2, 1, 3)}
@@ -350,14 +359,16 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     leaves = lambda o: int(geo.route(role, o, sched.direction)[1][0])
 
     def partials(t):
-        # The partial finished at step t-1 leaves with step t's packet; the partial that
-        # step t adds to (or, after the last step, the one coming home) arrives with it.
+        # The partial finished at step t-1 leaves with step t's packet (on, or home from its
+        # last contributor); the partial that step t adds to arrives with it, and so does
+        # our own, home from our packet's last contributor, in the group after its step.
         if t >= 2 and sched.partial_send[t - 1]:
-            part.post_send()
+            to = sched.partial_to[t - 1]
+            part.post_send(dest=to, home=to == sched.owners[t - 1])
         if t < sched.P and sched.partial_recv[t]:
             part.post_recv(rows=leaves(sched.owners[t]))
-        elif t == sched.P and sched.partial_home:
-            part.post_recv(rows=len(mine))
+        if sched.partial_home and t == sched.home_at:
+            part.post_recv(source=sched.home_from, rows=len(mine), home=True)
 
     poll = lambda: any([chan.progress(), part.progress()])
     for t in _steps(plan, chan, sched, timer, partials, rows):
@@ -381,11 +392,11 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
         if t > 0 and sched.partial_recv[t]:
             for name, view in timer.run("wait", part.received).items():
                 partial[name] += view
-    if sched.partial_home:
-        # Our travelling rows' partial, back from the ring: add it to those rows.
-        at = _select(xp, mine, C)
-        for name, view in timer.run("wait", part.received).items():
-            grads[name][:, :, at] += view
+            part.done()
+        if sched.partial_home and t == sched.home_at:  # it came with this step's transfers
+            _add_home(timer, part, grads, _select(xp, mine, C))
+    if sched.partial_home and sched.home_at == sched.P:  # with the last group's
+        _add_home(timer, part, grads, _select(xp, mine, C))
     timer.run("wait", part.drain)
 
     del partial

@@ -12,9 +12,12 @@ Rules, for the packet owned by rank j:
 * the packet moves on after step t iff some later holder computes with it: a causal
   contiguous K/V block stops travelling once it has passed the last rank that needs it;
 * a moving gradient partial (dQ in "burst" mode, dK/dV in "ring" mode) starts at the
-  first holder after the owner that computes, rides one step behind the packet, and
-  makes the final hop home only if someone contributed. The owner's own step-0
-  contribution never leaves home.
+  first holder after the owner that computes, rides one step behind the packet as far
+  as the last holder that computes, and goes from there straight home (no partial
+  exists if no one contributed). Riding on through ranks that add nothing would cost
+  bytes, and would chain each of them to the last contributor's compute: a rank cannot
+  forward a partial before it arrives. The owner's own step-0 contribution never leaves
+  home.
 
 The direction (+1: send to rank+1, or -1) is the one that moves fewer bytes: a causal
 contiguous forward sends K/V "up" the ring, a burst backward sends Q "down" it, so both
@@ -92,6 +95,18 @@ def _started(needs, owner, t, direction):
     return any(needs[(owner + direction * s) % P, owner] for s in range(1, t + 1))
 
 
+def _last(needs, owner, direction):
+    """The last step at which a holder other than the owner computes with its packet (0: none)."""
+    P = needs.shape[0]
+    return max((s for s in range(1, P) if needs[(owner + direction * s) % P, owner]), default=0)
+
+
+def _partial_hops(needs, owner, direction):
+    """Sends of the owner's partial: one per step from its first contributor to its last
+    (the last one's goes home)."""
+    return sum(_started(needs, owner, t, direction) for t in range(1, _last(needs, owner, direction) + 1))
+
+
 def ring_bytes(needs, direction, packet_bytes, partial_bytes):
     """Bytes the whole ring sends in one phase with packets going ``direction``.
 
@@ -103,7 +118,7 @@ def ring_bytes(needs, direction, packet_bytes, partial_bytes):
     pb = packet_bytes if callable(packet_bytes) else (lambda o, t, d: packet_bytes)
     qb = partial_bytes if callable(partial_bytes) else (lambda o, d: partial_bytes)
     return sum(sum(pb(o, t + 1, direction) for t in range(P - 1) if _moves_on(needs, o, t, direction))
-               + qb(o, direction) * sum(_started(needs, o, t, direction) for t in range(1, P))
+               + qb(o, direction) * _partial_hops(needs, o, direction)
                for o in range(P))
 
 
@@ -129,11 +144,17 @@ class Schedule:
         # Packet sent after step t (t < P-1), and the one received for step t+1.
         self.send = [_moves_on(needs, own[t], t, d) for t in range(P - 1)]
         self.recv = [_moves_on(needs, own[t + 1], t, d) for t in range(P - 1)]
-        # Gradient partial sent after step t (t >= 1), received at step t (t >= 2) from
-        # the previous holder, and the final hop home.
-        self.partial_send = [t >= 1 and _started(needs, own[t], t, d) for t in range(P)]
-        self.partial_recv = [t >= 2 and _started(needs, own[t], t - 1, d) for t in range(P)]
-        self.partial_home = P > 1 and _started(needs, rank, P - 1, d)
+        # Gradient partial sent after step t (t >= 1), to the next holder or, from the last
+        # contributor, home (``partial_to``); received at step t (t >= 2) from the previous
+        # holder. This rank's own partial comes home from rank ``home_from`` with the
+        # transfers of group ``home_at`` (the step after its last contributor's).
+        last = [_last(needs, o, d) for o in range(P)]
+        self.partial_send = [1 <= t <= last[own[t]] and _started(needs, own[t], t, d) for t in range(P)]
+        self.partial_to = [own[t] if t == last[own[t]] else (rank + d) % P for t in range(P)]
+        self.partial_recv = [2 <= t <= last[own[t]] and _started(needs, own[t], t - 1, d) for t in range(P)]
+        self.partial_home = P > 1 and last[rank] > 0
+        self.home_at = last[rank] + 1
+        self.home_from = (rank + d * last[rank]) % P
 
     @property
     def steps_computed(self):

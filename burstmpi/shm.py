@@ -40,7 +40,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Channel, MPITransport, Packet, PartialChannel, _packet, complete, rows_bytes
+from .comm import HOME_TAG_OFFSET, Channel, MPITransport, Packet, PartialChannel, _packet, complete, rows_bytes
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
 
@@ -249,7 +249,9 @@ class ShmChannel(Channel):
 
 class ShmPartialChannel:
     """``comm.PartialChannel``'s interface for gradient partials read in place: sent from
-    two alternating buffers, each written again only after its reader acknowledged it."""
+    two alternating buffers, each written again only after its reader acknowledged it (on
+    a tag of the buffer's own, so acknowledgements never pair with the wrong buffer, even
+    when both went to one rank: on to it, then home to it)."""
 
     @staticmethod
     def copies(single):
@@ -264,15 +266,15 @@ class ShmPartialChannel:
         # counts the bytes a copying ring would move).
         self._send = [_packet(fields, alloc) for _ in range(2)]
         self.rows = fields[0][1][2]
-        self._recv_rows = self._send_rows = self.rows
+        self._send_rows = self.rows
         self._next = 0
         self._ids = np.arange(2, dtype=np.int64)    # the tokens: which buffer a partial is in
-        self._got = np.zeros(1, dtype=np.int64)     # a received token
+        self._got = np.zeros(2, dtype=np.int64)     # received tokens: [passing, home]
         self._acked = np.zeros(2, dtype=np.int64)   # acknowledgements' landing places
         self._acks = [None, None]  # per send buffer: the receive of its acknowledgement
         self._sends = []           # tokens and acknowledgements in flight
-        self._recv = None          # (request, source) of the posted receive
-        self._unacked = None       # the source of a partial added and not yet acknowledged
+        self._recvs = {}           # home? -> (request, source, rows) of a posted receive
+        self._unacked = []         # (source, buffer) of partials added, not yet acknowledged
         self._views = {}
         self.bytes_sent = self.bytes_recv = 0
 
@@ -281,39 +283,45 @@ class ShmPartialChannel:
         self.bytes_sent = self.bytes_recv = 0
 
     def _acknowledge(self):
-        """Tell the sender of the last partial read that it has been added (its reads are
-        done before the token leaves)."""
-        if self._unacked is not None:
+        """Tell the senders of the partials read that they have been added (their reads
+        are done before the tokens leave)."""
+        if self._unacked:
             self.transport.sync()
-            self._sends.append(self.transport.isend(self._ids[0:1], self._unacked,
-                                                    self.tag + ACK_TAG_OFFSET))
-            self._unacked = None
+            for src, i in self._unacked:
+                self._sends.append(self.transport.isend(self._ids[i:i + 1], src, self.tag + ACK_TAG_OFFSET + i))
+            self._unacked = []
 
-    def post_recv(self, source=None, rows=None):
-        if self._recv is not None:
+    def post_recv(self, source=None, rows=None, home=False):
+        if home in self._recvs:
             raise RuntimeError("ShmPartialChannel.post_recv: the previous receive is still pending")
-        self._acknowledge()  # the last one was added before this step began
+        self._acknowledge()  # those read were added before this step began
         src = self.recv_from if source is None else source
-        self._recv_rows = self.rows if rows is None else rows
-        self._recv = (self.transport.irecv(self._got, src, self.tag), src)
-        self.bytes_recv += rows_bytes(self._fields, self._recv_rows)
+        rows = self.rows if rows is None else rows
+        slot = self._got[int(home):int(home) + 1]
+        self._recvs[home] = (self.transport.irecv(slot, src, self.tag + (HOME_TAG_OFFSET if home else 0)), src, rows)
+        self.bytes_recv += rows_bytes(self._fields, rows)
 
-    def received(self):
-        """Wait for the posted receive and return views of the partial, in its sender's
-        memory (read-only; acknowledged at the next ``post_recv`` or ``drain``)."""
-        if self._recv is None:
+    def received(self, home=False):
+        """Wait for the posted receive (the home one: ``home``) and return views of the
+        partial, in its sender's memory (read-only; acknowledged by ``done``, or at the next
+        ``post_recv`` or ``drain``)."""
+        if home not in self._recvs:
             raise RuntimeError("ShmPartialChannel.received: no receive was posted")
-        req, src = self._recv
-        self._recv = None
+        req, src, rows = self._recvs.pop(home)
         self.transport.wait([req])
         self.transport.sync()
-        key = (src, int(self._got[0]))
+        key = (src, int(self._got[int(home)]))
         views = self._views.get(key)
         if views is None:
             theirs = self.transport.peer(src, self._send[key[1]][0])
             views = self._views[key] = _packet(self._fields, lambda n: theirs[:n])[1]
-        self._unacked = src
-        return _first(views, self._recv_rows, self.rows)
+        self._unacked.append(key)
+        return _first(views, rows, self.rows)
+
+    def done(self):
+        """The partials received have been added: acknowledge them now, so that their
+        senders may write those buffers again."""
+        self._acknowledge()
 
     def send_buffer(self, rows=None):
         """Return zeroed views of the next send buffer, for ``rows`` rows (once its last
@@ -329,22 +337,24 @@ class ShmPartialChannel:
             v.fill(0)
         return views
 
-    def post_send(self):
-        """Send the buffer last returned by ``send_buffer``: its token, then await its reader."""
+    def post_send(self, dest=None, home=False):
+        """Send the buffer last returned by ``send_buffer`` (to ``dest``, default the next
+        rank; ``home``: its owner): its token, then await its reader."""
         i = self._next
+        dest = self.send_to if dest is None else dest
         self.transport.sync()
-        self._sends.append(self.transport.isend(self._ids[i:i + 1], self.send_to, self.tag))
-        self._acks[i] = self.transport.irecv(self._acked[i:i + 1], self.send_to, self.tag + ACK_TAG_OFFSET)
+        self._sends.append(self.transport.isend(self._ids[i:i + 1], dest, self.tag + (HOME_TAG_OFFSET if home else 0)))
+        self._acks[i] = self.transport.irecv(self._acked[i:i + 1], dest, self.tag + ACK_TAG_OFFSET + i)
         self.bytes_sent += rows_bytes(self._fields, self._send_rows)
         self._next = 1 - i
 
     def progress(self):
         """As ``PartialChannel.progress``: True while some token is still in flight."""
-        reqs = [r for r in (*self._sends, *self._acks, self._recv and self._recv[0]) if r]
+        reqs = [r for r in (*self._sends, *self._acks, *(req for req, _, _ in self._recvs.values())) if r]
         return bool(reqs) and not self.transport.progress(reqs)
 
     def drain(self):
-        """Complete every token of the phase: the last partial read is acknowledged, and
+        """Complete every token of the phase: the partials read are acknowledged, and
         every partial sent has been added by its reader."""
         self._acknowledge()
         reqs = [r for r in (*self._sends, *self._acks) if r is not None]

@@ -4,7 +4,8 @@
 
 Builds, for rank 0 of RANKS (every rank does the same for its own blocks), what a plan
 computes before its first ring step: the lowered mask, which ring steps are needed, the
-rows each packet carries, the visible pairs and the pieces each step computes. For a
+rows each packet carries hop by hop in both directions, the visible pairs and the pieces
+each step computes. For a
 random block-sparse mask (10 % of 128-token blocks, causal) and for attention sinks and
 a window. Prints the seconds, and the resident memory planning added on top of what
 the process held before (the caller's block array and mask included there).
@@ -30,13 +31,16 @@ def plan(mask):
     t0 = time.perf_counter()
     geo = Geometry("zigzag", P, N, causal.lo, causal.hi, None, mask)
     needs = geo.needs("forward")
-    rows = [len(geo.travelling_rows("k", r)) for r in range(P)]
+    # Every owner's route both ways (the schedule weighs the two directions by their bytes).
+    routes = {d: [geo.route("k", o, d)[1] for o in range(P)] for d in (1, -1)}
     q = geo.block("q", 0)
-    for o in range(P):
+    for o in range(P):  # the pieces rank 0 computes, on the runs of rows it is handed (direction +1)
         if needs[0, o]:
-            geo.pieces(q, geo.block("k", o, travelling=o != 0))
+            kbs = [geo.block("k", 0)] if o == 0 else [b for _, _, b in geo.carried("k", o, 1, (0 - o) % P)]
+            for kb in kbs:
+                geo.pieces(q, kb)
     pairs = sum(geo.pairs(0, o) for o in range(P) if needs[0, o])
-    return time.perf_counter() - t0, int(needs[0].sum()), rows, pairs
+    return time.perf_counter() - t0, int(needs[0].sum()), routes[1], pairs
 
 
 nb = -(-N // BS)
@@ -53,4 +57,5 @@ for name, mask in (("block-sparse 10 % & causal", sparse), ("sinks(4) | window(1
     secs, steps, rows, pairs = plan(mask)
     added = f"{(peak_bytes() - held) / 1e6:.0f} MB" if peaks else "(this kernel cannot reset the peak)"
     print(f"{name}: planned in {secs:.2f} s; rank 0 computes {steps} of {P} steps, {pairs:.3e} visible pairs; "
-          f"key rows each rank's packets carry {rows}; resident memory added at the peak {added}")
+          f"key rows each rank's packet holds hop by hop (direction +1) {[r[1:].tolist() for r in rows]}; "
+          f"resident memory added at the peak {added}")

@@ -272,9 +272,10 @@ def test_sinks_and_window_bytes():
     # sinks on to the next rank; the last rank's keys are seen by no one else.
     sent = (s + w if RANK == 0 else w + s) if RANK < NRANKS - 1 else 0
     assert st.forward.bytes_sent == sent * per_row, st.forward
-    # "ring" backward: the same packets, and every partial that exists (those of ranks with
-    # a next rank) goes on from every rank but its owner, round to home, whole.
-    partials = sum(rows(o) for o in range(NRANKS - 1) if o != RANK)
+    # "ring" backward: the same packets, and each partial goes from its first contributor to
+    # its last, which sends it home: rank 0's (read by every rank) from every other rank,
+    # a later rank's (read by its next rank alone) by that rank, straight home.
+    partials = (rows(0) if RANK >= 1 else 0) + (w if RANK >= 2 else 0)
     assert st.backward.bytes_sent == (sent + partials) * per_row, st.backward
 
 

@@ -32,10 +32,16 @@ def test_every_send_meets_a_receive(P, layout, causal, window, mode):
     for r, s in enumerate(sch):
         nxt = sch[(r + d) % P]
         assert s.send == nxt.recv, f"rank {r} sends {s.send} but rank {(r + d) % P} receives {nxt.recv}"
-        for t in range(1, P - 1):
-            assert s.partial_send[t] == nxt.partial_recv[t + 1]
-        if P > 1:
-            assert s.partial_send[P - 1] == nxt.partial_home
+        for t in range(1, P):
+            if s.partial_send[t] and s.partial_to[t] != s.owners[t]:  # on to the next holder
+                assert s.partial_to[t] == (r + d) % P and nxt.partial_recv[t + 1]
+            elif s.partial_send[t]:  # its last contributor sends it home, which expects it then
+                home = sch[s.owners[t]]
+                assert home.partial_home and home.home_from == r and home.home_at == t + 1
+            if t < P - 1:
+                assert nxt.partial_recv[t + 1] <= s.partial_send[t]
+        for o, home in enumerate(sch):  # every partial that exists comes home, once
+            assert home.partial_home == any(needs[h, o] for h in range(P) if h != o)
         for t in range(P):
             assert s.compute[t] == bool(needs[r, s.owners[t]])
             # A rank computes only on a packet that reached it.
