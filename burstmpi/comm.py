@@ -76,6 +76,9 @@ class MPITransport:
 
     name = "mpi"
     idle = False
+    # Messages match in any order, and a received buffer is the packet itself: a packet
+    # may be sent on as soon as it arrives (``Channel.post(forward=)``).
+    eager = True
 
     def __init__(self, comm):
         self.comm = comm
@@ -134,6 +137,7 @@ class StagedMPITransport(MPITransport):
     """
 
     name = "mpi-staged"
+    eager = False  # a received packet reaches its device buffer only in ``wait``
 
     def __init__(self, comm, to_host, to_device, alloc_host=None):
         super().__init__(comm)
@@ -261,12 +265,15 @@ class Channel:
         self._held = [self.rows, self.rows]  # rows of the packet in each buffer
         self._stage_alloc, self._stage = stage, None
         self._cur = 0
-        self._pending = None
+        self._pending = self._forward = self._ahead = None
         self.bytes_sent = self.bytes_recv = 0
 
     def begin(self):
         """A phase starts (``Runtime.channels``): its byte counts start from zero, and the
         packets are full until told otherwise."""
+        if self._ahead is not None:  # sent ahead, always posted by the next step of its phase
+            raise RuntimeError(f"{type(self).__name__}.begin: the last phase left a packet sent ahead")
+        self._forward = None
         self.bytes_sent = self.bytes_recv = 0
         self._held = [self.rows, self.rows]
 
@@ -280,26 +287,45 @@ class Channel:
         self._held[self._cur] = n
         return self.current
 
-    def post(self, *, send, recv, send_rows=None, recv_rows=None):
+    def post(self, *, send, recv, send_rows=None, recv_rows=None, forward=False, forward_rows=None):
         """Post the send of the current packet (its first ``send_rows`` rows) and the
-        receive into the spare one (a packet of ``recv_rows`` rows)."""
+        receive into the spare one (a packet of ``recv_rows`` rows).
+
+        ``forward``: the next step sends the packet being received on (its first
+        ``forward_rows``). Where the transport allows it (``eager``), ``progress`` sends it
+        as soon as it is here instead: a packet that crosses several ranks then waits for
+        none of their computations, only for its transfers."""
         if self._pending is not None:
             raise RuntimeError(f"{type(self).__name__}.post: the previous transfer has not been waited for")
         reqs = []
         if send:
-            out, n = self._outgoing(send_rows)
-            reqs.append(self.transport.isend(out, self.send_to, self.tag))
-            self.bytes_sent += n
+            if self._ahead is not None:  # already on its way (``progress``)
+                req, rows = self._ahead
+                if rows != send_rows:
+                    raise RuntimeError(f"{type(self).__name__}.post: send_rows: the packet went ahead with "
+                                       f"{rows} rows, got {send_rows}")
+                reqs.append(req)
+                self._ahead = None
+            else:
+                out, n = self._outgoing(send_rows)
+                reqs.append(self.transport.isend(out, self.send_to, self.tag))
+                self.bytes_sent += n
+        elif self._ahead is not None:
+            raise RuntimeError(f"{type(self).__name__}.post: a packet went ahead, but send is False")
         if recv:
             into, n = self._incoming(recv_rows)
             reqs.append(self.transport.irecv(into, self.recv_from, self.tag))
             self.bytes_recv += n
+        eager = recv and forward and getattr(self.transport, "eager", False)
+        self._forward = (forward_rows,) if eager else None
         self._pending = (reqs, recv)
 
     # What a step sends and receives into (each with the packet bytes it stands for), and
-    # what an arrival changes (``shm.ShmChannel`` moves tokens instead of packets).
-    def _outgoing(self, n):
-        held, packet = self._held[self._cur], self._bufs[self._cur]
+    # what an arrival changes (``shm.ShmChannel`` moves tokens instead of packets). The
+    # packet sent is the current one, or (``ahead``) the one just received.
+    def _outgoing(self, n, ahead=False):
+        i = 1 - self._cur if ahead else self._cur
+        held, packet = self._held[i], self._bufs[i]
         n = held if n is None else n
         if n != held and (held is None or n > held):
             raise ValueError(f"{type(self).__name__}.post: send_rows: expected at most the {held} rows held, got {n}")
@@ -325,17 +351,29 @@ class Channel:
 
     def progress(self):
         """Move the posted transfers along; True while some are still in flight (the
-        caller's cue to call again), False once none are (or the transport needs no help)."""
-        if self._pending and self._pending[0]:
-            return not self.transport.progress(self._pending[0])
-        return False
+        caller's cue to call again), False once none are (or the transport needs no help).
+        Once this step's are done, a packet to forward goes on at once (``post``): the
+        send it replaces read the staging buffer or token this one reuses, so not before."""
+        reqs = (self._pending[0] if self._pending else []) + ([self._ahead[0]] if self._ahead else [])
+        if not reqs:
+            return False
+        if not self.transport.progress(reqs):
+            return True
+        if self._forward is None or self._ahead is not None:
+            return False
+        (rows,), self._forward = self._forward, None
+        out, n = self._outgoing(rows, ahead=True)
+        self._ahead = (self.transport.isend(out, self.send_to, self.tag), rows)
+        self.bytes_sent += n
+        return True
 
     def wait(self):
-        """Wait for the posted transfers; a received packet becomes current."""
+        """Wait for the posted transfers; a received packet becomes current (a packet sent
+        ahead is the next step's transfer: ``post`` waits for it with that one's)."""
         if self._pending is None:
             raise RuntimeError(f"{type(self).__name__}.wait: nothing was posted")
         reqs, received = self._pending
-        self._pending = None
+        self._pending = self._forward = None
         if reqs:
             self.transport.wait(reqs)
         if received:

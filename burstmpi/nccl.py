@@ -105,6 +105,9 @@ class NCCLTransport:
     """Point-to-point transfers of CuPy buffers over NCCL, ordered by CUDA events."""
 
     name = "nccl"
+    # Transfers run in the order their groups were queued, and every rank's t-th group
+    # pairs with its neighbours' t-th: a packet is never sent on ahead of its step's group.
+    eager = False
 
     def __init__(self, comm, device_id, timeout_s=300.0, *, _cupy=None, _nccl=None, _nccl_comm=None):
         # The underscored arguments let tests drive the event protocol with fakes.

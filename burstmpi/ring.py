@@ -107,16 +107,20 @@ def _steps(plan, chan, sched, timer, partials=None, rows=(None, None)):
     Transports that run transfers in order on one stream (NCCL) need exactly this: every
     rank's t-th group then pairs with its neighbours' t-th groups, so no rank can wait
     on a transfer its neighbour has queued behind one that waits for it. ``rows``: the
-    rows each step sends and receives (``routes``), or None for full packets.
+    rows each step sends and receives (``routes``), or None for full packets. A packet
+    that comes in to go on is sent on as soon as it is here where the transport allows
+    (``Channel.post(forward=)``), not after this rank's compute.
     """
     P = plan.nranks
     for t in range(P):
         more = t < P - 1
         with plan.transport.group():
             if more:
+                on = t + 1 < P - 1 and sched.send[t + 1]  # the packet coming in goes on
                 chan.post(send=sched.send[t], recv=sched.recv[t],
                           send_rows=None if rows[0] is None else rows[0][t],
-                          recv_rows=None if rows[1] is None else rows[1][t])
+                          recv_rows=None if rows[1] is None else rows[1][t],
+                          forward=on, forward_rows=None if rows[0] is None or not on else rows[0][t + 1])
             if partials is not None:
                 partials(t)
         yield t
@@ -251,8 +255,10 @@ def bwd_pieces(be, q, do, D, lse, k, v, dq, dk, dv, pieces, scale, poll=None):
 
 def _add_home(timer, part, grads, at):
     """Add our travelling rows' partial, home from its last contributor, to those rows
-    (``at``). Our accumulators take no other term for them after step 0, so it may come
-    at any step; it is acknowledged at once (``done``), so its sender may reuse the buffer."""
+    (``at``). Our accumulators take no other term for them after step 0, so it is added
+    after our last step: waiting for it earlier would hold up our own later steps until
+    its sender's step (a partial lands in a home buffer of its own, so its sender never
+    waits for us)."""
     for name, view in timer.run("wait", part.received, home=True).items():
         grads[name][:, :, at] += view
     part.done()
@@ -361,7 +367,8 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     def partials(t):
         # The partial finished at step t-1 leaves with step t's packet (on, or home from its
         # last contributor); the partial that step t adds to arrives with it, and so does
-        # our own, home from our packet's last contributor, in the group after its step.
+        # our own, home from our packet's last contributor, in the group after its step
+        # (added after the last step: ``_add_home``).
         if t >= 2 and sched.partial_send[t - 1]:
             to = sched.partial_to[t - 1]
             part.post_send(dest=to, home=to == sched.owners[t - 1])
@@ -393,9 +400,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
             for name, view in timer.run("wait", part.received).items():
                 partial[name] += view
             part.done()
-        if sched.partial_home and t == sched.home_at:  # it came with this step's transfers
-            _add_home(timer, part, grads, _select(xp, mine, C))
-    if sched.partial_home and sched.home_at == sched.P:  # with the last group's
+    if sched.partial_home:  # posted with group home_at, added last (it has its own buffer)
         _add_home(timer, part, grads, _select(xp, mine, C))
     timer.run("wait", part.drain)
 

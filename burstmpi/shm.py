@@ -26,7 +26,8 @@ then, so the wait returns at once).
 A gradient partial (``ShmPartialChannel``) is read in place too, by the one rank it goes
 to, which adds it to its own; the sender alternates two buffers, so before it writes one
 again it waits for the reader's acknowledgement that it has been added (a second token,
-going back).
+going back). A partial going home is the exception: its owner adds it only after its own
+last step, so the sender copies it into the owner's home buffer and moves on.
 
 Every plan on one communicator shares its transport (``transport_for``) and so one window,
 grown to the largest phase any of them ran: plans made per call (``burstmpi.attention``)
@@ -133,17 +134,20 @@ class ShmTransport(MPITransport):
         arenas = []
         for r in range(self.comm.Get_size()):
             buf, _ = win.Shared_query(r)
-            a = np.frombuffer(buf, dtype=np.uint8)[:nbytes]
-            if r != self.rank:
-                a.flags.writeable = False  # a peer's packet is read, never written
-            arenas.append(a)
+            arenas.append(np.frombuffer(buf, dtype=np.uint8)[:nbytes])
         self._win, self._arenas = win, arenas
         return arenas[self.rank]
 
-    def peer(self, rank, view):
-        """Rank ``rank``'s bytes at the place of ``view`` (bytes of this rank's arena)."""
+    def peer(self, rank, view, write=False):
+        """Rank ``rank``'s bytes at the place of ``view`` (bytes of this rank's arena):
+        read-only, as a peer's packet is read in place, unless ``write`` (a partial going
+        home is written into its owner's home buffer)."""
         off = view.ctypes.data - self._arenas[self.rank].ctypes.data
-        return self._arenas[rank][off:off + view.nbytes]
+        out = self._arenas[rank][off:off + view.nbytes]
+        if rank != self.rank and not write:
+            out = out.view()
+            out.flags.writeable = False
+        return out
 
     def sync(self):
         """``Win_sync``: this rank's writes are visible to the others before its next token
@@ -207,13 +211,14 @@ class ShmChannel(Channel):
         self._owner = transport.rank
         self._held = self._next = self.rows
         self._tokens = np.zeros(2, dtype=np.int64)  # [sent, received]
-        self._pending = None
+        self._pending = self._forward = self._ahead = None
         self.bytes_sent = self.bytes_recv = 0
 
     def begin(self):
         """A phase starts with this rank's own packet current (``Runtime.channels``)."""
-        if self._pending is not None:
+        if self._pending is not None or self._ahead is not None:
             raise RuntimeError("ShmChannel.begin: the last phase left a transfer posted")
+        self._forward = None
         self._owner = self.transport.rank
         self._held = self.rows
         self.bytes_sent = self.bytes_recv = 0
@@ -233,10 +238,10 @@ class ShmChannel(Channel):
         self._held = n
         return self.current
 
-    def _outgoing(self, n):  # the packet's bytes are visible before its token leaves
+    def _outgoing(self, n, ahead=False):  # the packet's bytes are visible before its token leaves
         self.transport.sync()
-        self._tokens[0] = self._owner
-        return self._tokens[0:1], self._packet.nbytes(self._held if n is None else n)
+        self._tokens[0] = self._tokens[1] if ahead else self._owner
+        return self._tokens[0:1], self._packet.nbytes((self._next if ahead else self._held) if n is None else n)
 
     def _incoming(self, n):
         self._next = self.rows if n is None else n
@@ -250,13 +255,15 @@ class ShmChannel(Channel):
 class ShmPartialChannel:
     """``comm.PartialChannel``'s interface for gradient partials read in place: sent from
     two alternating buffers, each written again only after its reader acknowledged it (on
-    a tag of the buffer's own, so acknowledgements never pair with the wrong buffer, even
-    when both went to one rank: on to it, then home to it)."""
+    a tag of the buffer's own, so acknowledgements never pair with the wrong buffer). A
+    partial going home is instead copied into its owner's home buffer (one per rank and
+    phase, as one partial comes home to each rank) and needs no acknowledgement."""
 
     @staticmethod
     def copies(single):
-        """Partial-sized buffers it allocates: the two it sends from (it reads the sender's)."""
-        return 2
+        """Partial-sized buffers it allocates: the two it sends from (it reads the sender's),
+        and its home buffer."""
+        return 3
 
     def __init__(self, transport, fields, *, send_to, recv_from, tag, alloc, single=False, stage=None):
         self.transport = transport
@@ -265,6 +272,10 @@ class ShmPartialChannel:
         # Laid out for the most rows; a partial of fewer is their first rows (``comm.Packet``
         # counts the bytes a copying ring would move).
         self._send = [_packet(fields, alloc) for _ in range(2)]
+        # Our own partial comes home into this buffer, written by its last contributor: we
+        # add it after our last step (``ring.backward``), so it is copied rather than read in
+        # its sender's buffer, which the sender could not write again until then.
+        self._home = _packet(fields, alloc)
         self.rows = fields[0][1][2]
         self._send_rows = self.rows
         self._next = 0
@@ -303,14 +314,16 @@ class ShmPartialChannel:
 
     def received(self, home=False):
         """Wait for the posted receive (the home one: ``home``) and return views of the
-        partial, in its sender's memory (read-only; acknowledged by ``done``, or at the next
-        ``post_recv`` or ``drain``)."""
+        partial: in its sender's memory (read-only; acknowledged by ``done``, or at the next
+        ``post_recv`` or ``drain``), or for ``home`` in our home buffer."""
         if home not in self._recvs:
             raise RuntimeError("ShmPartialChannel.received: no receive was posted")
         req, src, rows = self._recvs.pop(home)
         self.transport.wait([req])
         self.transport.sync()
-        key = (src, int(self._got[int(home)]))
+        if home:  # written here by its sender (``post_send``)
+            return _first(self._home[1], rows, self.rows)
+        key = (src, int(self._got[0]))
         views = self._views.get(key)
         if views is None:
             theirs = self.transport.peer(src, self._send[key[1]][0])
@@ -339,12 +352,19 @@ class ShmPartialChannel:
 
     def post_send(self, dest=None, home=False):
         """Send the buffer last returned by ``send_buffer`` (to ``dest``, default the next
-        rank; ``home``: its owner): its token, then await its reader."""
+        rank): its token, then await its reader; or (``home``: to its owner) copy it into
+        the owner's home buffer and send the token."""
         i = self._next
         dest = self.send_to if dest is None else dest
+        if home:  # into the owner's home buffer: ours is free again at once
+            theirs = self.transport.peer(dest, self._home[0], write=True)
+            views = _first(_packet(self._fields, lambda n: theirs[:n])[1], self._send_rows, self.rows)
+            for name, view in _first(self._send[i][1], self._send_rows, self.rows).items():
+                views[name][...] = view
         self.transport.sync()
         self._sends.append(self.transport.isend(self._ids[i:i + 1], dest, self.tag + (HOME_TAG_OFFSET if home else 0)))
-        self._acks[i] = self.transport.irecv(self._acked[i:i + 1], dest, self.tag + ACK_TAG_OFFSET + i)
+        if not home:
+            self._acks[i] = self.transport.irecv(self._acked[i:i + 1], dest, self.tag + ACK_TAG_OFFSET + i)
         self.bytes_sent += rows_bytes(self._fields, self._send_rows)
         self._next = 1 - i
 

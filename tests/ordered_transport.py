@@ -19,6 +19,7 @@ from burstmpi.comm import MPITransport
 
 class InOrderTransport(MPITransport):
     name = "in-order"
+    eager = False  # as NCCL: nothing is sent outside its step's group
 
     def __init__(self, comm):
         super().__init__(comm)

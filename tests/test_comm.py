@@ -95,3 +95,49 @@ def test_progress_says_whether_transfers_are_in_flight():
     part.received()
     part.drain()
     assert not part.progress()
+
+
+class EagerLoopback(Loopback):
+    """A loopback whose transfers are done as soon as posted, and which lets a packet go
+    on as soon as it arrives (as MPI does)."""
+
+    eager = True
+
+    def irecv(self, buf, source, tag):
+        buf[...] = self.queue[tag].pop(0)
+        return ("done", tag)
+
+    def progress(self, reqs):
+        return True
+
+
+def test_a_packet_to_forward_goes_on_as_soon_as_it_arrives():
+    """``post(forward=True)``: once the step's transfers are done, ``progress`` sends the
+    packet just received on, and the next step's ``post`` takes that send as its own."""
+    chan = Channel(EagerLoopback(), FIELDS, send_to=0, recv_from=0, tag=7, alloc=lambda n: np.empty(n, np.uint8))
+    chan.current["k"][...] = 1
+    chan.post(send=True, recv=True, forward=True)
+    assert chan.progress(), "the packet sent ahead is in flight"
+    queue = chan.transport.queue[7]
+    assert len(queue) == 1 and (queue[0][16:28].view(np.float16) == 1).all()  # k after lse
+    assert chan.bytes_sent == 2 * chan.nbytes
+    assert not chan.progress(), "sent once"
+    chan.wait()
+    chan.post(send=True, recv=False)
+    assert chan.bytes_sent == 2 * chan.nbytes and len(queue) == 1, "not sent a second time"
+    chan.wait()
+    # Without the transport's leave (``eager``), the packet waits for its step.
+    plain = Channel(EagerLoopback(), FIELDS, send_to=0, recv_from=0, tag=7, alloc=lambda n: np.empty(n, np.uint8))
+    plain.transport.eager = False
+    plain.post(send=True, recv=True, forward=True)
+    assert not plain.progress() and not plain.transport.queue[7] and plain.bytes_sent == plain.nbytes
+    plain.wait()
+
+
+def test_a_packet_sent_ahead_must_be_sent_by_the_next_step():
+    chan = Channel(EagerLoopback(), FIELDS, send_to=0, recv_from=0, tag=7, alloc=lambda n: np.empty(n, np.uint8))
+    chan.post(send=True, recv=True, forward=True)
+    chan.progress()
+    chan.wait()
+    with pytest.raises(RuntimeError, match="went ahead, but send is False"):
+        chan.post(send=False, recv=True)

@@ -11,6 +11,7 @@ import pytest
 import burstmpi
 from burstmpi import reference as ref
 from burstmpi.comm import MPITransport, private_comm
+from burstmpi.masks import Chunked, Sinks, Window
 from burstmpi.shm import ShmChannel, ShmTransport, transport_for
 
 from conftest import COMM, NRANKS, check_against_float64, needs_ranks
@@ -28,10 +29,15 @@ def _run(transport, *, N, Z=4, Zkv=2, d=16, dtype="float32", layout="zigzag", se
 
 CASES = [dict(causal=True), dict(causal=False, bwd_comm="ring"), dict(causal=True, layout="contiguous"),
          dict(window=(5, 3), layout="striped"), dict(causal=True, bwd_comm="two-way"),
-         dict(causal=False, Zkv=1, dtype="float16")]
+         dict(causal=False, Zkv=1, dtype="float16"),
+         # Packets that shrink on the way (sinks ride further than the window's rows), and
+         # packets that cross ranks needing none of them, sent on as soon as they arrive.
+         dict(causal=True, layout="contiguous", mask=Sinks(3) | Window(4, 0), bwd_comm="burst"),
+         dict(causal=True, mask=Chunked(12), bwd_comm="ring")]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if k != "mask")
+                         + ("-mask" if "mask" in c else ""))
 def test_same_bits_as_mpi(case):
     """Forward and backward on "shm" (auto, one node) and on "mpi": identical results."""
     N = 23 * NRANKS + 3
