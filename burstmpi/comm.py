@@ -10,7 +10,8 @@ post / wait API:
 
 A ``PartialChannel`` carries a gradient partial one step behind its packet: it is
 received into one buffer and sent from two alternating ones, so the send of step t may
-still be in flight while step t+1 fills the other.
+still be in flight while step t+1 fills the other; a rank's own partial comes home into a
+fourth. A packet that a rank passes on may go ahead of its step (``Channel.post(forward=)``).
 
 Misuse (posting twice, waiting with nothing posted) raises instead of corrupting data.
 """

@@ -25,7 +25,10 @@ needed, as one message laid out for just those rows (``comm.Packet``). Under sin
 window, rank 0's packet holds the sinks and its window's reach for one hop, then the
 sinks alone. A holder computes on the runs of rows it was handed
 (``Geometry.carried``); a rank's own step on its full local arrays. A gradient partial
-carries every row its packet left home with, round to home.
+carries every row its packet left home with, and goes straight home from its last
+contributor. A packet that comes in to go on is sent on as soon as it is here, where the
+transport allows, not after the step's compute: a packet crossing busy ranks waits for
+none of them.
 
 Why a ring and not a broadcast for rows that many ranks read (sinks, global tokens, a
 prefix): with shrinking packets a row crosses each link between its owner and its
