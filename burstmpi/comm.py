@@ -22,11 +22,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["private_comm", "complete", "MPITransport", "StagedMPITransport", "Channel", "PartialChannel",
-           "field_bytes", "Packet", "rows_bytes"]
+__all__ = ["private_comm", "complete", "MPITransport", "DeviceMPITransport", "StagedMPITransport", "Channel",
+           "PartialChannel", "field_bytes", "Packet", "rows_bytes"]
 
-# A partial going home travels on its own tag: its owner may be receiving another partial
-# from the same rank at the same time (two ranks: the next rank is the previous one).
+# A partial going home travels on its own tag, so that it can never pair with a receive
+# meant for a partial passing through from the same rank (with two ranks the next rank is
+# the previous one), whatever order the two are posted in.
 HOME_TAG_OFFSET = 500
 
 # Every field of a packet starts on a 16-byte boundary: the CUDA kernels copy rows with
@@ -119,6 +120,22 @@ def field_bytes(shape, dtype):
     return -(-n // FIELD_ALIGN) * FIELD_ALIGN
 
 
+class DeviceMPITransport(MPITransport):
+    """Device buffers handed to a CUDA-aware MPI (``BURSTMPI_CUDA_AWARE_MPI=1``). MPI does
+    not order a send after the kernels and copies queued on a stream, so a send first waits
+    for them (``synchronize``), and a received packet goes on only with its step's send."""
+
+    eager = False
+
+    def __init__(self, comm, synchronize):
+        super().__init__(comm)
+        self._synchronize = synchronize
+
+    def isend(self, buf, dest, tag):
+        self._synchronize()
+        return super().isend(buf, dest, tag)
+
+
 class _Staged:
     """An MPI request on a host copy of a device buffer."""
 
@@ -179,6 +196,13 @@ class StagedMPITransport(MPITransport):
         self._to_host(send, host_send)
         self.comm.Allgather([host_send, MPI.BYTE], [host_recv, MPI.BYTE])
         self._to_device(host_recv, recv)
+
+
+def check_rows(who, arg, n, most):
+    """A packet's row count ``n`` (None: all ``most``): ValueError naming ``arg`` unless
+    0 <= n <= most (``most`` None: fields without rows, nothing to check)."""
+    if n is not None and most is not None and not (isinstance(n, (int, np.integer)) and 0 <= n <= most):
+        raise ValueError(f"{type(who).__name__}: {arg}: expected a row count in [0, {most}], got {n!r}")
 
 
 def _address(buf):
@@ -285,6 +309,7 @@ class Channel:
 
     def fill(self, n):
         """The views of this rank's own packet of ``n`` rows, to write it (step 0)."""
+        check_rows(self, "fill", n, self.rows)
         self._held[self._cur] = n
         return self.current
 
@@ -298,6 +323,8 @@ class Channel:
         none of their computations, only for its transfers."""
         if self._pending is not None:
             raise RuntimeError(f"{type(self).__name__}.post: the previous transfer has not been waited for")
+        for arg, n in (("send_rows", send_rows), ("recv_rows", recv_rows), ("forward_rows", forward_rows)):
+            check_rows(self, arg, n, self.rows)
         reqs = []
         if send:
             if self._ahead is not None:  # already on its way (``progress``)
@@ -418,6 +445,7 @@ class PartialChannel:
     def post_recv(self, source=None, rows=None, home=False):
         if home in self._recvs:
             raise RuntimeError("PartialChannel.post_recv: the previous receive is still pending")
+        check_rows(self, "rows", rows, self.rows)
         src = self.recv_from if source is None else source
         rows = self.rows if rows is None else rows
         buf = self._home if home else self._recv
@@ -440,6 +468,7 @@ class PartialChannel:
     def send_buffer(self, rows=None):
         """Return zeroed views of the next send buffer, for ``rows`` rows (waiting for its
         last send)."""
+        check_rows(self, "rows", rows, self.rows)
         i = self._next
         if self._send_reqs[i] is not None:
             self.transport.wait([self._send_reqs[i]])

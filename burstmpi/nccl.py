@@ -126,13 +126,17 @@ class NCCLTransport:
     def group(self):
         if self._open is not None:
             raise RuntimeError("NCCLTransport.group: groups do not nest")
-        compute = self._cupy.cuda.get_current_stream()
-        self.stream.wait_event(compute.record())  # buffers produced / consumed by kernels
         self._open = []
         self._nccl.groupStart()
         try:
             yield
         finally:
+            # The transfers start after every kernel and copy queued so far, those queued
+            # inside the group included (a packet passed on with fewer rows than it came
+            # with is packed into a staging buffer there: ``comm.Channel``); NCCL launches
+            # the group's transfers on its stream at groupEnd, behind this wait.
+            compute = self._cupy.cuda.get_current_stream()
+            self.stream.wait_event(compute.record())
             self._nccl.groupEnd()
             reqs, self._open = self._open, None
             done = self.stream.record()

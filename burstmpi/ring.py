@@ -21,7 +21,8 @@ A packet carries only the owner's rows that some other rank sees (``Geometry.
 travelling_rows``: rows of documents that stay home, or far from a narrow window's
 reach, never travel), and each row only as far as its farthest reader: the rows are
 ordered by how far they go (``Geometry.route``), and each hop sends the prefix still
-needed, as one message laid out for just those rows (``comm.Packet``). Under sinks and a
+needed, as one message of just those rows (``comm.Packet``; read in place on shared
+memory, where a holder views the first rows of its owner's copy). Under sinks and a
 window, rank 0's packet holds the sinks and its window's reach for one hop, then the
 sinks alone. A holder computes on the runs of rows it was handed
 (``Geometry.carried``); a rank's own step on its full local arrays. A gradient partial
@@ -46,7 +47,7 @@ import numpy as np
 from .comm import Channel, PartialChannel, field_bytes
 
 __all__ = ["forward", "backward", "packet_fields", "packet_dims", "nbytes", "bytes_per_step",
-           "Timer", "fill_packet", "key_operands", "finish_forward", "backward_operands",
+           "Timer", "key_operands", "finish_forward", "backward_operands",
            "finish_gradients", "fwd_pieces", "bwd_pieces", "head_slices"]
 
 TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
@@ -169,19 +170,6 @@ def _in_order(rows, count):
     return len(rows) == count and bool(np.all(rows[1:] > rows[:-1]))
 
 
-def fill_packet(chan, home, rows, xp):
-    """Copy this rank's travelling ``rows`` of its operands (working layouts) into the
-    channel's current packet; rows past them stay padding."""
-    for name, view in chan.current.items():
-        src = home[name]
-        view[:, :, :len(rows)] = src[:, :, _select(xp, rows, src.shape[2])]
-
-
-def packet_rows(fields, n):
-    """Views of the first ``n`` rows of a packet's fields (the valid ones)."""
-    return {name: view[:, :, :n] for name, view in fields.items()}
-
-
 def routes(geo, role, sched):
     """How this phase's packets shrink (``Geometry.route``): the packet of this rank in
     packet order (its local rows), and per step the rows sent and the rows received."""
@@ -199,11 +187,12 @@ def load_packet(chan, home, rows, xp):
         view[...] = src[:, :, _select(xp, rows, src.shape[2])]
 
 
-def runs(geo, role, owner, sched, t, fields):
-    """(views, BlockSet) of each run of rows the holder at step t computes on from
-    ``owner``'s packet (``Geometry.carried``)."""
-    return [({name: v[:, :, a:b] for name, v in fields.items()}, blk)
-            for a, b, blk in geo.carried(role, owner, sched.direction, t)]
+def runs(geo, role, owner, direction, t, *packets, arc=None):
+    """For each run of rows the holder at step t computes on from ``owner``'s packet
+    (``Geometry.carried``): (the run's rows of each of ``packets``, dicts of views such as
+    the packet and its partial, BlockSet)."""
+    cut = lambda fields, a, b: {name: v[:, :, a:b] for name, v in fields.items()}
+    return [(tuple(cut(f, a, b) for f in packets), blk) for a, b, blk in geo.carried(role, owner, direction, t, arc)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -334,7 +323,7 @@ def forward(plan, q, k, v, dims):
             if owner == plan.rank:
                 parts = [(home_k, geo.block("k", owner))]
             else:
-                parts = runs(geo, "k", owner, sched, t, chan.current)
+                parts = [(ks, kb) for (ks,), kb in runs(geo, "k", owner, sched.direction, t, chan.current)]
             for ks, kb in parts:
                 timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb),
                           plan.scale, poll=chan.progress)
@@ -388,9 +377,9 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
             if owner == plan.rank:  # our own step: the full local arrays
                 parts = [(home, geo.block(role, owner), grads)]
             else:  # each run of the rows it was handed, and their rows of the partial
-                parts = [(views, blk, {**grads, **{n: p[:, :, a:b] for n, p in partial.items()}})
-                         for a, b, blk in geo.carried(role, owner, sched.direction, t)
-                         for views in [{n: x[:, :, a:b] for n, x in chan.current.items()}]]
+                parts = [(views, blk, {**grads, **rows_of_partial})
+                         for (views, rows_of_partial), blk in runs(geo, role, owner, sched.direction, t,
+                                                                   chan.current, partial)]
             for travelling, block, target in parts:
                 if mode == "burst":
                     qs, ks, qb, kb = travelling, home_k, block, geo.block("k", plan.rank)

@@ -20,7 +20,7 @@ from . import ring
 from .backends import NumpyBackend
 from .backends.threads import node_masks, shares_cores, threads_per_rank
 from .backends.cupy_backend import CupyBackend
-from .comm import MPITransport, StagedMPITransport, private_comm
+from .comm import DeviceMPITransport, MPITransport, StagedMPITransport, private_comm
 from .config import settings
 from .shm import NoRoom, transport_for
 from .device import import_cupy, node_rank, pick_device
@@ -176,7 +176,7 @@ class Runtime:
         if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
             return nccl.NCCLTransport(self.comm, dev, timeout_s=self._nccl_timeout)
         if self._cuda_aware:
-            return MPITransport(self.comm)
+            return DeviceMPITransport(self.comm, lambda: cupy.cuda.get_current_stream().synchronize())
 
         def to_host(buf, out):
             cupy.cuda.get_current_stream().synchronize()  # the producing kernels are done
@@ -227,9 +227,11 @@ class Runtime:
                 offset[0] += nbytes
                 return view
 
+            # A packet passed on with fewer rows than it came with is first packed into a
+            # staging packet, on the backend's device, allocated on first use.
             chans = [cls(self.transport, fields, send_to=(self.rank + direction) % self.nranks,
                          recv_from=(self.rank - direction) % self.nranks, tag=tag, alloc=carve,
-                         single=single)
+                         single=single, stage=self.backend.alloc)
                      for cls, fields, tag, direction in specs]
             cached = self._channels[phase] = (key, chans, arena)
         for c in cached[1]:

@@ -41,7 +41,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .comm import HOME_TAG_OFFSET, Channel, MPITransport, Packet, PartialChannel, _packet, complete, rows_bytes
+from .comm import (HOME_TAG_OFFSET, Channel, MPITransport, Packet, PartialChannel, _packet, check_rows, complete,
+                   rows_bytes)
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
 
@@ -235,13 +236,17 @@ class ShmChannel(Channel):
         return {name: v[:, :, :self._held] for name, v in views.items()}
 
     def fill(self, n):
+        check_rows(self, "fill", n, self.rows)
         self._held = n
         return self.current
 
     def _outgoing(self, n, ahead=False):  # the packet's bytes are visible before its token leaves
+        held = self._next if ahead else self._held
+        if n is not None and n > held:
+            raise ValueError(f"ShmChannel.post: send_rows: expected at most the {held} rows held, got {n}")
         self.transport.sync()
         self._tokens[0] = self._tokens[1] if ahead else self._owner
-        return self._tokens[0:1], self._packet.nbytes((self._next if ahead else self._held) if n is None else n)
+        return self._tokens[0:1], self._packet.nbytes(held if n is None else n)
 
     def _incoming(self, n):
         self._next = self.rows if n is None else n
@@ -305,6 +310,7 @@ class ShmPartialChannel:
     def post_recv(self, source=None, rows=None, home=False):
         if home in self._recvs:
             raise RuntimeError("ShmPartialChannel.post_recv: the previous receive is still pending")
+        check_rows(self, "rows", rows, self.rows)
         self._acknowledge()  # those read were added before this step began
         src = self.recv_from if source is None else source
         rows = self.rows if rows is None else rows
@@ -339,6 +345,7 @@ class ShmPartialChannel:
     def send_buffer(self, rows=None):
         """Return zeroed views of the next send buffer, for ``rows`` rows (once its last
         reader is done)."""
+        check_rows(self, "rows", rows, self.rows)
         i = self._next
         if self._acks[i] is not None:
             self.transport.wait([self._acks[i]])

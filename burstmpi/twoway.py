@@ -11,9 +11,9 @@ neighbours' t-th groups as an in-order transport (NCCL) needs, and a rank comput
 up to two blocks a step (in a fixed order: its own, then up, then down: results stay
 bitwise reproducible).
 
-Forward: K/V travel. Backward: a gradient partial accumulated along an arc could only get
-home by travelling back, so instead nothing comes home: K/V travel along their arcs and
-Q/dO/D/lse along theirs, and a rank computes dQ of its own queries with every K/V block
+Forward: K/V travel. Backward: nothing comes home (partials along two arcs would need two
+chains and two sends home per block, and a holder could add to neither until the chain
+before it had): K/V travel along their arcs and Q/dO/D/lse along theirs, and a rank computes dQ of its own queries with every K/V block
 that reaches it and dK/dV of its own keys with every Q block that reaches it. burstmpi's
 CUDA kernels compute dQ and dK/dV in separate kernels anyway, so this costs the GPU no
 extra work; the NumPy backend recomputes the scores once more (7 tile GEMMs per block
@@ -26,7 +26,7 @@ import time
 
 from .comm import Channel
 from .ring import (Timer, _rows, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces,
-                   key_operands, load_packet, packet_dims, packet_fields)
+                   key_operands, load_packet, packet_dims, packet_fields, runs)
 
 __all__ = ["arcs", "TwoWaySchedule", "two_way_bytes", "forward", "backward"]
 
@@ -113,8 +113,7 @@ def _runs(geo, role, chan, d, t):
     """(views, BlockSet) of each run of rows the holder at step t has from the packet in
     ``chan`` (``Geometry.carried``)."""
     o = d.owners[t]
-    return [({name: x[:, :, a:b] for name, x in chan.current.items()}, blk)
-            for a, b, blk in geo.carried(role, o, d.sign, t, d.reach[o])]
+    return [(views, blk) for (views,), blk in runs(geo, role, o, d.sign, t, chan.current, arc=d.reach[o])]
 
 
 def _run(plan, steps, channels, timer, compute):

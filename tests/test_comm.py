@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from burstmpi.comm import Channel, PartialChannel
+from burstmpi.comm import Channel, DeviceMPITransport, PartialChannel
 
 
 class Loopback:
@@ -141,3 +141,28 @@ def test_a_packet_sent_ahead_must_be_sent_by_the_next_step():
     chan.wait()
     with pytest.raises(RuntimeError, match="went ahead, but send is False"):
         chan.post(send=False, recv=True)
+
+
+def test_row_counts_are_checked_by_name():
+    rows = [("k", (1, 1, 2, 3), np.float16)]  # ring fields: rows on axis 2
+    chan, part = (cls(Loopback(), rows, send_to=0, recv_from=0, tag=7, alloc=lambda n: np.empty(n, np.uint8))
+                  for cls in (Channel, PartialChannel))
+    with pytest.raises(ValueError, match=r"Channel: recv_rows: expected a row count in \[0, 2\], got 3"):
+        chan.post(send=False, recv=True, recv_rows=3)
+    with pytest.raises(ValueError, match=r"Channel: fill: expected a row count in \[0, 2\], got -1"):
+        chan.fill(-1)
+    with pytest.raises(ValueError, match=r"PartialChannel: rows: expected a row count in \[0, 2\], got 5"):
+        part.send_buffer(5)
+
+
+def test_a_cuda_aware_mpi_send_waits_for_the_stream_first():
+    """MPI does not order a send after the GPU work queued on a stream (a packing copy):
+    the transport synchronises before each send, and never sends a packet ahead."""
+    from mpi4py import MPI
+    calls = []
+    t = DeviceMPITransport(MPI.COMM_SELF, lambda: calls.append("sync"))
+    out, into = np.arange(4, dtype=np.uint8), np.zeros(4, np.uint8)
+    r = t.irecv(into, 0, 5)
+    s = t.isend(out, 0, 5)
+    t.wait([s, r])
+    assert calls == ["sync"] and (into == out).all() and not t.eager

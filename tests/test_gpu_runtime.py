@@ -176,10 +176,11 @@ def test_nccl_transport_orders_a_step_with_events():
         r = t.irecv(Buf(64), 2, 11)
     t.wait([s, r])
     steps = [e[0] if e[0] in ("groupStart", "groupEnd") else e[:2] for e in log]
-    assert steps == [("record", "compute"), ("wait", "comm"), "groupStart", ("send", 1), ("recv", 2),
+    assert steps == ["groupStart", ("send", 1), ("recv", 2), ("record", "compute"), ("wait", "comm"),
                      "groupEnd", ("record", "comm"), ("wait", "compute")]
-    # The comm stream waits for the compute stream's event; the compute stream for the group's.
-    assert log[1][2] == log[0][2] and log[-1][2] == log[-2][2]
+    # The comm stream waits for the compute stream's event (recorded as the group closes, so
+    # after any packing queued inside it); the compute stream for the group's.
+    assert log[4][2] == log[3][2] and log[-1][2] == log[-2][2]
     assert all(e[3] for e in log if e[0] in ("send", "recv")), "transfers must run on the comm stream"
     assert s.event is r.event
     t.finish()  # completed event: returns at once
