@@ -385,3 +385,18 @@ def test_bands_cut_work_evenly_and_in_order():
     work = [sum(len(tiles[0]) for _, _, tiles in band) for band in bands]
     assert max(work) <= 2 * sum(work) / len(bands)
     assert _bands(plan, 1) == [plan]
+
+
+def test_query_tiles_grow_when_the_keys_are_few():
+    """A rank's queries against a packet of 4 sinks: one item per 16 query tiles, not a
+    tiny GEMM each; a block of a tile's width of keys keeps the usual tiles."""
+    from burstmpi.masks.intervals import Block
+    be = NumpyBackend(tile_q=64, tile_k=64)
+    n = 64 * 40
+    qb = Block(np.arange(100, 100 + n), np.zeros(n, np.int64), np.full(n, 3), np.zeros(n, np.int64))
+    few = Block(np.arange(4), np.full(4, 100), np.full(4, 100 + n - 1), np.zeros(4, np.int64))
+    rows = [r1 - r0 for r0, r1, _ in be._plan(1, qb, few)]
+    assert sum(rows) == n and max(rows) == 16 * 64 and len(rows) == 3
+    wide = Block(np.arange(64), np.full(64, 100), np.full(64, 100 + n - 1), np.zeros(64, np.int64))
+    qb64 = qb._replace(last=np.full(n, 63))
+    assert {r1 - r0 for r0, r1, _ in be._plan(1, qb64, wide)} == {64}

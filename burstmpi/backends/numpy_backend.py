@@ -308,6 +308,11 @@ class NumpyBackend:
             n = len(qb.first)
             slides = n > 1 and 2 * int(qb.first[-1] - qb.first[0]) >= n - 1
             tq, tk = (min(tq, max(1, t // g)) if slides else tq), min(tk, t)
+        # A few keys (the sinks, seen from a rank past the window's reach) would make each
+        # query tile a tiny item whose fixed costs outweigh its GEMMs: the query tiles grow
+        # as the key side narrows, up to 16 times (a tile's scratch, rows x width, stays).
+        if 0 < len(kb.pos) < self.tile_k:
+            tq *= min(16, self.tile_k // len(kb.pos))
         return _tile_plan(qb, kb, tq, tk, blocks)
 
     # -- forward ----------------------------------------------------------------------
