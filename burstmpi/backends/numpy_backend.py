@@ -310,7 +310,8 @@ class NumpyBackend:
             tq, tk = (min(tq, max(1, t // g)) if slides else tq), min(tk, t)
         # A few keys (the sinks, seen from a rank past the window's reach) would make each
         # query tile a tiny item whose fixed costs outweigh its GEMMs: the query tiles grow
-        # as the key side narrows, up to 16 times (a tile's scratch, rows x width, stays).
+        # as the key side narrows, up to 16 times (the score scratch, rows x keys, stays
+        # within a full tile's; the scaled queries' scratch grows with the rows).
         if 0 < len(kb.pos) < self.tile_k:
             tq *= min(16, self.tile_k // len(kb.pos))
         return _tile_plan(qb, kb, tq, tk, blocks)
