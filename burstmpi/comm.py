@@ -205,6 +205,13 @@ def check_rows(who, arg, n, most):
         raise ValueError(f"{type(who).__name__}: {arg}: expected a row count in [0, {most}], got {n!r}")
 
 
+def check_send_rows(who, n, held):
+    """The rows ``n`` a step sends on (None: all) of a packet holding ``held``: ValueError
+    unless n <= held (``held`` None: fields without rows, all or nothing)."""
+    if n is not None and n != held and (held is None or n > held):
+        raise ValueError(f"{type(who).__name__}.post: send_rows: expected at most the {held} rows held, got {n}")
+
+
 def _address(buf):
     data = getattr(buf, "data", None)
     ptr = getattr(data, "ptr", None)  # CuPy
@@ -354,9 +361,8 @@ class Channel:
     def _outgoing(self, n, ahead=False):
         i = 1 - self._cur if ahead else self._cur
         held, packet = self._held[i], self._bufs[i]
+        check_send_rows(self, n, held)
         n = held if n is None else n
-        if n != held and (held is None or n > held):
-            raise ValueError(f"{type(self).__name__}.post: send_rows: expected at most the {held} rows held, got {n}")
         if n == held:
             out = packet.message(n)
             return out, out.nbytes

@@ -41,8 +41,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .comm import (HOME_TAG_OFFSET, Channel, MPITransport, Packet, PartialChannel, _packet, check_rows, complete,
-                   rows_bytes)
+from .comm import (HOME_TAG_OFFSET, Channel, MPITransport, Packet, PartialChannel, _packet, check_rows,
+                   check_send_rows, complete, rows_bytes)
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
 
@@ -242,8 +242,7 @@ class ShmChannel(Channel):
 
     def _outgoing(self, n, ahead=False):  # the packet's bytes are visible before its token leaves
         held = self._next if ahead else self._held
-        if n is not None and n > held:
-            raise ValueError(f"ShmChannel.post: send_rows: expected at most the {held} rows held, got {n}")
+        check_send_rows(self, n, held)
         self.transport.sync()
         self._tokens[0] = self._tokens[1] if ahead else self._owner
         return self._tokens[0:1], self._packet.nbytes(held if n is None else n)
