@@ -4,7 +4,7 @@
 import numpy as np
 from mpi4py import MPI
 
-from .comm import private_comm
+from .transport.comm import private_comm
 from .interop import like, to_host
 from .layout import LAYOUTS, layout_of
 from .plan import BurstAttention
@@ -14,7 +14,7 @@ __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None,
-              layout="contiguous", cu_seqlens=None, return_lse=False, mask=None):
+              layout="contiguous", cu_seqlens=None, return_lse=False, mask=None, head_parallel=1):
     """Exact softmax attention over a sequence spread across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own part of the sequence.
@@ -50,6 +50,9 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     mask : burstmpi.masks.Mask, optional
         Sinks, chunks, block-sparse and per-head patterns, and their ``&``/``|``
         (``burstmpi.masks``), ANDed with ``causal``, ``window`` and the document rule.
+    head_parallel : int, default 1
+        Groups of this many consecutive ranks of one node share the heads, and the ring
+        runs over the groups (``burstmpi.heads``); the arrays in and out are unchanged.
 
     Returns
     -------
@@ -58,23 +61,24 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
         only with ``return_lse``. Rows that see no key give ``out = 0`` and ``lse = -inf``.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout, mask=mask)
+                          layout=layout, mask=mask, head_parallel=head_parallel)
     out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, window=None,
-                       softmax_scale=None, layout="contiguous", cu_seqlens=None, bwd_comm="auto", mask=None):
+                       softmax_scale=None, layout="contiguous", cu_seqlens=None, bwd_comm="auto", mask=None,
+                       head_parallel=1):
     """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to this rank's q, k, v.
 
     ``out`` and ``lse`` are the forward's results (``return_lse=True``); the other
-    arguments (``cu_seqlens`` and ``mask`` included) must match the forward call. ``bwd_comm`` chooses
+    arguments (``cu_seqlens``, ``mask`` and ``head_parallel`` included) must match the forward call. ``bwd_comm`` chooses
     what circulates: "burst" (Q, dO, dQ), "ring" (K, V, dK, dV) or "auto" (fewer bytes).
     Gradients are accumulated in float32 (float64 for float64 inputs) across every ring
     step and returned in the dtype and kind of the inputs.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout, bwd_comm=bwd_comm, mask=mask)
+                          layout=layout, bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel)
     return plan.backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens)
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .comm import _packet
+from .transport.comm import _packet
 from .device import abort_on_device_error
 from .interop import bfloat16, like
 from .layout import LAYOUTS
@@ -228,7 +228,7 @@ class KVCache:
 
     def release(self):
         """Free this rank's share and the call buffers; the cache cannot be used after.
-        Collective where the ranks share a node's memory (``burstmpi.shm``: it frees a window
+        Collective where the ranks share a node's memory (``burstmpi.transport.shm``: it frees a window
         every rank maps), as the calls are."""
         self._k = self._v = self._kpos = self._kpos_host = None
         self._sk = self._sv = self._skpos = None

@@ -30,6 +30,12 @@ BURSTMPI_CUDA_AWARE_MPI 0           ``1``: the MPI transport hands GPU buffers t
                                     through host memory
 BURSTMPI_NCCL_TIMEOUT   300         seconds a phase may wait for its NCCL transfers
                                     before the communicator is aborted with an error
+BURSTMPI_RANKS_PER_NODE 0           ``g``: consecutive blocks of g ranks form a node
+                                    (one machine plays a cluster); ``0`` = the ranks
+                                    MPI's shared-memory split puts together
+BURSTMPI_INTERNODE_GBPS 0           a simulation aid: host transfers between nodes
+                                    take at least bytes / (X GB/s) (MPI transport;
+                                    ``burstmpi.transport.slowlinks``); ``0`` = off
 ======================  ==========  ===================================================
 """
 
@@ -48,6 +54,19 @@ def _int(name, default, minimum=1):
         raise ValueError(f"environment variable {name}: expected an integer, got {raw!r}") from None
     if value < minimum:
         raise ValueError(f"environment variable {name}: expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def _float(name, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: expected a number, got {raw!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"environment variable {name}: expected a finite number >= 0, got {raw!r}")
     return value
 
 
@@ -71,6 +90,8 @@ class Settings:
         self.check = _int("BURSTMPI_CHECK", 1, minimum=0) != 0
         self.cuda_aware_mpi = _int("BURSTMPI_CUDA_AWARE_MPI", 0, minimum=0) != 0
         self.nccl_timeout = float(_int("BURSTMPI_NCCL_TIMEOUT", 300))
+        self.ranks_per_node = _int("BURSTMPI_RANKS_PER_NODE", 0, minimum=0)
+        self.internode_gbps = _float("BURSTMPI_INTERNODE_GBPS", 0.0)
 
 
 def settings():

@@ -3,7 +3,7 @@
 Which GPU: the rank's index among the ranks of its node (MPI split by shared memory)
 modulo the GPUs the process sees, unless the caller names one. With one rank per GPU
 that is the usual binding; with more ranks than GPUs they share, which the MPI transport
-allows and NCCL refuses (see ``burstmpi.nccl``).
+allows and NCCL refuses (see ``burstmpi.transport.nccl``).
 """
 
 import contextlib

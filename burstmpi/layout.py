@@ -25,6 +25,10 @@ when N < P (N < 2P for zigzag chunks).
 "contiguous" and "striped" ignore documents: their placement depends on N alone. Masks
 are always evaluated on global positions, so the attention result is the same whatever
 the layout; only the cost per rank changes.
+
+``NAME/u`` (internal: head parallelism, ``burstmpi.heads``) is layout NAME over
+``nranks * u`` ranks with each group of u consecutive ranks merged into one: group j holds
+the tokens of ranks ju .. ju+u-1, in increasing position.
 """
 
 import functools
@@ -50,9 +54,17 @@ class Layout:
     """
 
     def __init__(self, name, nranks, seqlen, cu_seqlens=None):
-        if name not in LAYOUTS:
+        base, _, merge = name.partition("/")
+        if base not in LAYOUTS or (merge and not (merge.isdigit() and int(merge) >= 1)):
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {name!r}")
         self.name, self.nranks, self.seqlen = name, int(nranks), int(seqlen)
+        self._merged = bool(merge)  # runs of several ranks interleave (striped): positions sort them
+        if merge:  # groups of u ranks of the base layout, merged
+            u = int(merge)
+            parts = Layout(base, self.nranks * u, seqlen, cu_seqlens)._runs
+            self._finish([sorted(run for r in range(j * u, (j + 1) * u) for run in parts[r])
+                          for j in range(self.nranks)])
+            return
         P, N = self.nranks, self.seqlen
         docs = None
         if name == "zigzag" and cu_seqlens is not None:
@@ -68,8 +80,11 @@ class Layout:
             self._runs = self._zigzag_runs([(0, N)])
         else:
             self._runs = self._pack_documents(list(zip(docs[:-1].tolist(), docs[1:].tolist())))
-        self._runs = [[run for run in runs if run[2] > 0] for runs in self._runs]
-        self.counts = np.array([sum(n for _, _, n in runs) for runs in self._runs], dtype=np.int64)
+        self._finish(self._runs)
+
+    def _finish(self, runs):
+        self._runs = [[run for run in rank_runs if run[2] > 0] for rank_runs in runs]
+        self.counts = np.array([sum(n for _, _, n in rank_runs) for rank_runs in self._runs], dtype=np.int64)
         self.max_count = int(self.counts.max())
         self._positions = {}
 
@@ -170,6 +185,8 @@ class Layout:
             runs = self._runs[rank]
             pos = (np.concatenate([np.arange(s, s + st * n, st, dtype=np.int64) for s, st, n in runs])
                    if runs else np.zeros(0, dtype=np.int64))
+            if self._merged:
+                pos.sort()
             self._positions[rank] = pos
         return pos
 

@@ -26,7 +26,7 @@ import click
 import numpy as np
 
 from . import ring
-from .comm import Channel, PartialChannel
+from .transport.comm import Channel, PartialChannel
 from .layout import LAYOUTS, Layout
 from .masks.intervals import Bounds, Mask, count_visible
 from .schedule import Schedule, pair_matrix
@@ -54,6 +54,9 @@ class Machine:
 MACHINES = {
     "h100-ib": Machine("h100-ib", fwd_tflops=350.0, bwd_tflops=250.0, intra_gbps=150.0, inter_gbps=45.0),
     "a100-ib": Machine("a100-ib", fwd_tflops=190.0, bwd_tflops=150.0, intra_gbps=100.0, inter_gbps=22.0),
+    # 8 H200 with NVLink 4 (900 GB/s both ways a GPU; ~375 one way measured by peers) and a
+    # 400 Gb/s NDR NIC per GPU (~48 GB/s); FlashAttention-3-class bf16 kernel rates.
+    "h200-ib": Machine("h200-ib", fwd_tflops=500.0, bwd_tflops=400.0, intra_gbps=375.0, inter_gbps=48.0),
 }
 
 
@@ -76,8 +79,10 @@ class Shape:
     window: tuple = None
 
 
-def _phase(shape, machine, P, layout, mode, pairs, needs):
-    """Lockstep simulation of one phase: (time, compute, exposed, bytes sent) per rank."""
+def _phase(shape, machine, P, layout, mode, pairs, needs, node_of=None):
+    """Lockstep simulation of one phase: (time, compute, exposed, bytes sent) per rank.
+    ``node_of[r]``: the node of ring rank r (default: blocks of ``machine.ranks_per_node``)."""
+    node_of = [r // machine.ranks_per_node for r in range(P)] if node_of is None else node_of
     B, N, Z, Zkv, d, dv = (shape.batch, shape.seqlen, shape.heads, shape.kv_heads, shape.head_dim,
                            shape.head_dim_v)
     C = -(-N // P)  # packets are sized for the largest block
@@ -104,7 +109,7 @@ def _phase(shape, machine, P, layout, mode, pairs, needs):
                 c[r] = pairs[h][w] * per_pair / rate
             nbytes = (pb if t < P - 1 and (s.send[t] or s.recv[t]) else 0) + (qb if t >= 1 and s.partial_send[t] else 0)
             if nbytes:
-                same_node = r // machine.ranks_per_node == (r + s.direction) % P // machine.ranks_per_node
+                same_node = node_of[r] == node_of[(r + s.direction) % P]
                 bw, lat = ((machine.intra_gbps, machine.intra_latency_us) if same_node
                            else (machine.inter_gbps, machine.inter_latency_us))
                 x[r] = lat * 1e-6 + nbytes / (bw * 1e9)
@@ -186,12 +191,17 @@ _TABLE = [("layout", "10s"), ("bwd_mode", "6s"), ("fwd_ms", "10.2f"), ("bwd_ms",
 @click.option("-D", "--head-dim", default=128, show_default=True)
 @click.option("--dtype-bytes", default=2, show_default=True, type=click.Choice([2, 4, 8]))
 @click.option("--causal", is_flag=True)
+@click.option("--ranks-per-node", type=int, default=None, help="Node size (default: the machine's).")
+@click.option("--inter-gbps", type=float, default=None, help="Override the machine's network GB/s per rank.")
 def predict_cmd(machine, fwd_tflops, bwd_tflops, ranks, seqlen, batch, heads, kv_heads, head_dim,
-                dtype_bytes, causal):
-    """Predicted time, traffic and memory for every layout and backward mode."""
+                dtype_bytes, causal, ranks_per_node, inter_gbps):
+    """Predicted time, traffic and memory for every layout and backward mode, then for the
+    flat ring, the two-level ring and head parallelism across the nodes (zigzag)."""
     m = MACHINES[machine]
     m = Machine(**{**asdict(m), **({"fwd_tflops": fwd_tflops} if fwd_tflops else {}),
-                   **({"bwd_tflops": bwd_tflops} if bwd_tflops else {})})
+                   **({"bwd_tflops": bwd_tflops} if bwd_tflops else {}),
+                   **({"ranks_per_node": ranks_per_node} if ranks_per_node else {}),
+                   **({"inter_gbps": inter_gbps} if inter_gbps else {})})
     shape = Shape(batch, seqlen, heads, kv_heads or heads, head_dim, head_dim, dtype_bytes, causal)
     rows = recommend(shape, m, ranks)
     click.echo(f"# {m}\n# {shape}, {ranks} ranks")
@@ -201,6 +211,19 @@ def predict_cmd(machine, fwd_tflops, bwd_tflops, ranks, seqlen, batch, heads, kv
     best = rows[0]
     click.echo(f"# Recommended: layout {best['layout']}, bwd {best['bwd_mode']} "
                f"({best['fwdbwd_tflops']:.1f} TFLOP/s per rank predicted)")
+    from .model_topology import predict_ring
+
+    g = min(m.ranks_per_node, ranks)
+    options = [("flat", 1), ("two-level", 1)] + ([("flat", g)] if g > 1 and ranks % g == 0 and heads % g == 0 else [])
+    click.echo(f"# Across nodes of {g} ranks (zigzag): topology, head_parallel, fwd ms, bwd ms, f+b ms, "
+               "exposed ms, inter-node MB per rank (busiest)")
+    ring_rows = [predict_ring(shape, m, ranks, "zigzag", t, u, ranks_per_node=g) for t, u in options]
+    for r in ring_rows:
+        click.echo(f"  {r['topology']:>9} {r['head_parallel']:3d} {r['fwd_ms']:10.2f} {r['bwd_ms']:10.2f} "
+                   f"{r['fwdbwd_ms']:10.2f} {r['exposed_ms']:9.2f} {r['inter_mb']:9.1f}")
+    top = min(ring_rows, key=lambda r: r["fwdbwd_ms"])
+    click.echo(f"# Recommended across nodes: " + (f"head_parallel={top['head_parallel']}" if top["head_parallel"] > 1
+                                                  else f"topology={top['topology']!r}"))
 
 
 main.add_command(predict_cmd, name="predict")
@@ -208,13 +231,20 @@ main.add_command(predict_cmd, name="predict")
 
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--intra-gbps", default=5.0, show_default=True, help="Measured rank-to-rank bandwidth.")
+@click.option("--intra-gbps", default=5.0, show_default=True, help="Measured rank-to-rank bandwidth (GB/s).")
+@click.option("--inter-gbps", default=None, type=float,
+              help="Between nodes (GB/s); default --intra-gbps (the runs' --internode-gbps when simulated).")
+@click.option("--ranks-per-node", default=None, type=int, help="The runs' node size (default: all ranks).")
 @click.option("--latency-us", default=5.0, show_default=True)
-def check(files, intra_gbps, latency_us):
+def check(files, intra_gbps, inter_gbps, ranks_per_node, latency_us):
     """Predicted against measured f+b time for each row of burstmpi-bench JSON files; the
-    local kernel rates come from each row's own "local" measurement."""
-    click.echo(f"# {'ranks':>5} {'seqlen':>7} {'causal':>6} {'layout':>10} {'bwd':>5} {'measured':>10} "
-               f"{'predicted':>10} {'ratio':>6}")
+    local kernel rates come from each row's own "local" measurement. Rows of
+    ``--topology``/``--head-parallel`` runs are predicted for the ring they ran
+    (``burstmpi.model_topology``)."""
+    from .model_topology import predict_ring
+
+    click.echo(f"# {'ranks':>5} {'seqlen':>7} {'causal':>6} {'layout':>10} {'bwd':>5} {'ring':>9} {'hp':>3} "
+               f"{'measured':>10} {'predicted':>10} {'ratio':>6}")
     for path in files:
         with open(path) as fh:
             data = json.load(fh)
@@ -224,12 +254,16 @@ def check(files, intra_gbps, latency_us):
             dense = 4.0 * B * Z * C * C * d
             m = Machine("measured", fwd_tflops=dense / (r["local_fwd_ms"] * 1e-3) / 1e12,
                         bwd_tflops=2.5 * dense / (r["local_bwd_ms"] * 1e-3) / 1e12,
-                        intra_gbps=intra_gbps, inter_gbps=intra_gbps, intra_latency_us=latency_us,
-                        inter_latency_us=latency_us, ranks_per_node=max(P, 1))
+                        intra_gbps=intra_gbps, inter_gbps=inter_gbps or intra_gbps, intra_latency_us=latency_us,
+                        inter_latency_us=latency_us, ranks_per_node=ranks_per_node or max(P, 1))
             e = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[r["dtype"]]
             shape = Shape(B, N, Z, r["kv_heads"], d, d, e, bool(r["causal"]))
-            p = predict(shape, m, P, r["layout"], r["bwd_mode"])
-            click.echo(f"  {P:5d} {N:7d} {r['causal']:6d} {r['layout']:>10} {r['bwd_mode']:>5} "
+            topology, hp = r.get("ring") or "flat", r.get("hp") or 1
+            if topology == "flat" and hp == 1 and ranks_per_node is None:
+                p = predict(shape, m, P, r["layout"], r["bwd_mode"])
+            else:
+                p = predict_ring(shape, m, P, r["layout"], topology, hp, bwd_mode=r["bwd_mode"])
+            click.echo(f"  {P:5d} {N:7d} {r['causal']:6d} {r['layout']:>10} {r['bwd_mode']:>5} {topology:>9} {hp:3d} "
                        f"{r['fwdbwd_ms']:10.1f} {p['fwdbwd_ms']:10.1f} {r['fwdbwd_ms'] / p['fwdbwd_ms']:6.2f}")
 
 
@@ -263,6 +297,43 @@ def pingpong(mbytes):
     bw = big.nbytes / (rtt(big, 5) / 2 - lat)
     if comm.Get_rank() == 0:
         click.echo(f"# latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s ({mbytes} MiB messages)")
+
+
+@main.command()
+@click.option("--machine", type=click.Choice(sorted(MACHINES)), default="h200-ib", show_default=True)
+@click.option("-H", "--heads", default=32, show_default=True)
+@click.option("-K", "--kv-heads", "kv_list", default="32,8", show_default=True, help="K/V heads to tabulate.")
+@click.option("-D", "--head-dim", default=128, show_default=True)
+@click.option("--ranks", "ranks_list", default="8,32,128,512,1024,4096", show_default=True)
+@click.option("--tokens", "tokens_list", default="128K,512K,1M,4M,16M", show_default=True)
+def scale(machine, heads, kv_list, head_dim, ranks_list, tokens_list):
+    """Flat, two-level and head-parallel rings from 8 to 4096 GPUs and 128K to 16M tokens
+    (dense causal attention under zigzag, bf16): predicted f+b time, exposed communication,
+    efficiency (time computing over time), and the tokens per GPU each needs to hide its
+    transfers (``burstmpi.model_topology.scale_row``, closed form)."""
+    from .bench import parse_size
+    from .model_topology import scale_row
+
+    m = MACHINES[machine]
+    click.echo(f"# {m}\n# dense causal, zigzag, bf16, {heads} heads, head dim {head_dim}; "
+               "hide: tokens per GPU above which the transfers hide behind compute")
+    names = ("flat", "two-level", "head-parallel")
+    click.echo(f"# {'kvh':>3} {'GPUs':>5} {'tokens':>7} " + " ".join(
+        f"{n + ' ms':>16} {'exp%':>5} {'eff':>5} {'hide':>7}" for n in names) + "  best")
+    for kvh in (int(x) for x in kv_list.split(",")):
+        for P in (int(x) for x in ranks_list.split(",")):
+            for tok in tokens_list.split(","):
+                N = parse_size(None, None, tok)
+                shape = Shape(1, N, heads, kvh, head_dim, head_dim, 2, True)
+                rows = [scale_row(shape, m, P, n) for n in names]
+                best = min(rows, key=lambda r: r["fwdbwd_ms"])["topology"]
+                click.echo(f"  {kvh:3d} {P:5d} {tok:>7} " + " ".join(
+                    f"{r['fwdbwd_ms']:16.1f} {100 * r['exposed_ms'] / r['fwdbwd_ms']:5.1f} {r['efficiency']:5.2f} "
+                    f"{_tokens(r['hide_tokens']):>7}" for r in rows) + f"  {best}")
+
+
+def _tokens(n):
+    return f"{n / 1024:.0f}K" if n < 1 << 20 else f"{n / (1 << 20):.1f}M"
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ from typing import Optional
 
 import numpy as np
 
-from . import ring, twoway
-from .comm import rows_bytes
+from . import ring, twolevel, twoway
+from .transport.comm import rows_bytes
 from .device import abort_on_device_error
 from .geometry import geometry
+from .heads import HeadParallel, check_head_parallel
+from .twolevel import check_two_level
 from .interop import like
 from .masks.intervals import Bounds
 from .runtime import Runtime
@@ -24,7 +26,9 @@ __all__ = ["BurstAttention", "PhaseStats", "Stats"]
 class PhaseStats:
     """What one rank did in one phase of the last call.
 
-    ``bytes_sent``/``bytes_recv`` count payload bytes this rank moved;
+    ``bytes_sent``/``bytes_recv`` count payload bytes this rank moved, and
+    ``bytes_internode`` the part of ``bytes_sent`` that went to other nodes
+    (``burstmpi.transport.nodes``: ``BURSTMPI_RANKS_PER_NODE`` or the shared-memory split);
     ``steps_computed + steps_skipped`` is the number of ranks (``steps_computed``: the ranks
     whose blocks this rank computed with); ``direction`` is +1 when packets go to rank+1,
     -1 when they go to rank-1, and 0 on the two-way ring (``burstmpi.twoway``). ``pairs``
@@ -35,6 +39,7 @@ class PhaseStats:
     """
 
     bytes_sent: int = 0
+    bytes_internode: int = 0
     bytes_recv: int = 0
     steps_computed: int = 0
     steps_skipped: int = 0
@@ -55,6 +60,7 @@ class Stats:
     forward: Optional[PhaseStats] = None
     backward: Optional[PhaseStats] = None
     bwd_mode: Optional[str] = None
+    topology: str = "flat"
     backend: str = "numpy"
     transport: str = "mpi"
     buffer_bytes: int = 0
@@ -112,10 +118,22 @@ class BurstAttention:
         ``BURSTMPI_CUDA_AWARE_MPI=1``; works with ranks sharing a GPU); "auto" takes NCCL
         when it is installed and every rank has a GPU of its own. Host arrays: "shm", the
         ranks of one node reading each other's packets in place from an MPI-3 shared
-        window (``burstmpi.shm``; "auto" takes it when every rank is on one node), or
+        window (``burstmpi.transport.shm``; "auto" takes it when every rank is on one node), or
         "mpi", copied by MPI. Reported in ``last_stats``.
     device : int, optional
         The CUDA device of this rank; default: node-local rank modulo the visible GPUs.
+    topology : {"flat", "two-level", "auto"}
+        "flat": one ring in rank order. "two-level": a ring inside each node and one
+        between nodes, linking the ranks of equal local rank, its transfer hidden behind
+        a whole inner cycle (``burstmpi.twolevel``; nodes of equal size, host arrays,
+        the backward circulates K/V). "auto": two-level where the ranks span several
+        equal nodes of 2+ ranks on the host, else flat. ``last_stats.topology`` says
+        which ran. Nodes: ``burstmpi.transport.nodes`` (``BURSTMPI_RANKS_PER_NODE``).
+    head_parallel : int, default 1
+        u > 1: groups of u consecutive ranks of one node share the heads (an all-to-all
+        inside each group), and the ring runs over the P/u groups (``burstmpi.heads``).
+        Inputs and results stay each rank's sequence shard. u must divide the ranks and
+        the query heads, and divide or be a multiple of the K/V heads.
     runtime : burstmpi.runtime.Runtime, optional
         Run on another plan's runtime (``KVCache`` does, for its prefill) instead of
         building one from ``comm``, ``backend``, ``transport`` and ``device``.
@@ -134,16 +152,20 @@ class BurstAttention:
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
                  layout="contiguous", bwd_comm="auto", backend="auto", transport="auto", device=None,
-                 runtime=None, mask=None):
+                 runtime=None, mask=None, head_parallel=1, topology="flat"):
         fn = "BurstAttention"
-        check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale,
-                      layout=layout, bwd_comm=bwd_comm, mask=mask)
+        check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
+                      bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel, topology=topology)
+        self.topology = topology
         self.runtime = runtime if runtime is not None else Runtime(
             fn, comm, backend=backend, transport=transport, device=device)
         self.causal, self.window_arg = bool(causal), None if window is None else tuple(window)
         self.window = Bounds(causal, window)
         self.mask = mask
         self.softmax_scale, self.layout_name, self.bwd_comm = softmax_scale, layout, bwd_comm
+        self.head_parallel = int(head_parallel)
+        self.kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``; burstmpi.heads)
+        self._heads = HeadParallel(self, self.head_parallel) if self.head_parallel > 1 else None
         self.last_stats = Stats()
 
     comm = _delegate("comm", "burstmpi's private duplicate of the plan's communicator.")
@@ -189,7 +211,8 @@ class BurstAttention:
         """A phase's ``PhaseStats``. ``owners``: the ranks whose blocks this rank computed
         with; ``pairs``: the visible pairs of those computations."""
         computed = len(set(owners))
-        return PhaseStats(bytes_sent=sum(c.bytes_sent for c in chans),
+        internode = sum(self.runtime.nodes.internode(c.bytes_to) for c in chans) if self.runtime.nodes else 0
+        return PhaseStats(bytes_sent=sum(c.bytes_sent for c in chans), bytes_internode=internode,
                           bytes_recv=sum(c.bytes_recv for c in chans),
                           steps_computed=computed, steps_skipped=self.nranks - computed,
                           pairs=int(pairs), direction=direction, wall_s=time.perf_counter() - t_start,
@@ -199,6 +222,8 @@ class BurstAttention:
         """Free the ring buffers and the CPU backend's working arrays (allocated again on the
         next call)."""
         self.runtime.release()
+        if self._heads is not None:
+            self._heads.release()
 
     # -- the calls --------------------------------------------------------------------
 
@@ -207,7 +232,8 @@ class BurstAttention:
         return (("causal", self.causal), ("window", self.window_arg),
                 ("softmax_scale", self.softmax_scale), ("layout", self.layout_name),
                 ("bwd_comm", self.bwd_comm), ("backend", rt.backend_name),
-                ("transport", rt.transport_name),
+                ("transport", rt.transport_name), ("head_parallel", self.head_parallel),
+                ("topology", self.topology),
                 ("mask", None if self.mask is None else f"{_short(repr(self.mask))} #{self.mask.digest()}"))
 
     def _prepare(self, fn, arrays, check, cu_seqlens):
@@ -224,6 +250,10 @@ class BurstAttention:
             conv = rt.convert(fn, arrays)
             dims = check(conv)
             cu = check_cu_seqlens(fn, cu_seqlens)
+            if self._heads is not None:
+                check_head_parallel(fn, self.head_parallel, self.nranks, rt.nodes, dims[2], dims[3])
+            if self._heads is None and self._ring_topology(kind) == "two-level":
+                check_two_level(fn, rt.nodes, kind)
         except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
             error = e
         sig = [("nranks", self.nranks), ("runs on", kind)] + list(self._options())
@@ -256,13 +286,35 @@ class BurstAttention:
         fn = "BurstAttention.forward"
         h, dims = self._prepare(fn, {"q": q, "k": k, "v": v},
                                 lambda h: check_forward(fn, h["q"], h["k"], h["v"]), cu_seqlens)
-        run = twoway.forward if self._forward_two_way(dims, h["q"].dtype) else ring.forward
+        if self._heads is not None:
+            out, lse, st = self._heads.forward(h, dims, cu_seqlens, self._xp())
+            self.last_stats.forward, self.last_stats.buffer_bytes = st, self._heads.buffer_bytes
+            self.last_stats.topology = self._heads.topology
+            return like(out, q), like(lse, q)
+        topology = self.last_stats.topology = self._ring_topology(self.backend.name)
+        if topology == "two-level":
+            run = twolevel.forward
+        else:
+            run = twoway.forward if self._forward_two_way(dims, h["q"].dtype) else ring.forward
         with abort_on_device_error(self.comm):
             out, lse, st = run(self, h["q"], h["k"], h["v"], dims)
             self.runtime.finish()
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         self.last_stats.transport = self.transport.name  # the call may have fallen back to MPI
         return like(out, q), like(lse, q)
+
+    def _ring_topology(self, kind):
+        """The ring this call runs: "two-level" or "flat" (``topology``'s "auto" decided by
+        the nodes, the same on every rank)."""
+        if self.topology != "auto":
+            return self.topology
+        nodes = self.runtime.nodes
+        spread = nodes.count > 1 and nodes.equal and len(nodes.members[0]) > 1
+        return "two-level" if spread and kind != "cuda" and self.bwd_comm in ("auto", "ring") else "flat"
+
+    def _xp(self):
+        """The array module of the call's converted arrays (NumPy, or CuPy on the GPU)."""
+        return getattr(self.backend, "xp", np)
 
     def _fields(self, mode, dims, dtype):
         """The packet and partial fields of ``mode`` (``ring.packet_fields``)."""
@@ -311,10 +363,19 @@ class BurstAttention:
             return check_backward(fn, h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], lse_dtype)
 
         h, dims = self._prepare(fn, arrays, check, cu_seqlens)
-        mode = self.choose_bwd_mode(dims, h["q"].dtype)
+        if self._heads is not None:
+            dq, dk, dv, st, mode = self._heads.backward(h, dims, cu_seqlens, self._xp())
+            self.last_stats.backward, self.last_stats.bwd_mode = st, mode
+            self.last_stats.buffer_bytes = self._heads.buffer_bytes
+            self.last_stats.topology = self._heads.topology
+            return like(dq, q), like(dk, k), like(dv, v)
+        topology = self.last_stats.topology = self._ring_topology(self.backend.name)
+        mode = "ring" if topology == "two-level" else self.choose_bwd_mode(dims, h["q"].dtype)
         args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)
         with abort_on_device_error(self.comm):
-            if mode == "two-way":
+            if topology == "two-level":
+                dq, dk, dv, st = twolevel.backward(self, *args)
+            elif mode == "two-way":
                 dq, dk, dv, st = twoway.backward(self, *args)
             else:
                 dq, dk, dv, st = ring.backward(self, mode, *args)

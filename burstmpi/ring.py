@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from .comm import Channel, PartialChannel, field_bytes
+from .transport.comm import Channel, PartialChannel, field_bytes
 
 __all__ = ["forward", "backward", "packet_fields", "packet_dims", "nbytes", "bytes_per_step",
            "Timer", "key_operands", "finish_forward", "backward_operands",
@@ -54,7 +54,7 @@ TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
 
 
 def nbytes(fields):
-    """Bytes of a packet of (name, shape, dtype) fields, as ``burstmpi.comm`` packs them."""
+    """Bytes of a packet of (name, shape, dtype) fields, as ``burstmpi.transport.comm`` packs them."""
     return sum(field_bytes(shape, dt) for _, shape, dt in fields)
 
 
@@ -287,12 +287,16 @@ def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
     return home_q, home_k, be.bwd_state(B, Zkv, C, g, d, dv, acc)
 
 
-def finish_gradients(be, grads, dtype, scale):
+def finish_gradients(plan, grads, dtype):
     """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied:
-    they are the backend's, and a backend may drop or reuse each once it is copied)."""
-    dq = _from_rows(be, grads.pop("dq"), dtype, scale)
-    dk = _from_kv(be, grads.pop("dk"), dtype)
-    dvv = _from_kv(be, grads.pop("dv"), dtype)
+    they are the backend's, and a backend may drop or reuse each once it is copied). dK and
+    dV stay in the accumulation dtype where ``plan.kv_grads_accumulated`` (head parallelism
+    adds replicated K/V heads' shares before rounding once)."""
+    be = plan.backend
+    kv_dtype = be.acc_dtype(dtype) if plan.kv_grads_accumulated else dtype
+    dq = _from_rows(be, grads.pop("dq"), dtype, plan.scale)
+    dk = _from_kv(be, grads.pop("dk"), kv_dtype)
+    dvv = _from_kv(be, grads.pop("dv"), kv_dtype)
     return dq, dk, dvv
 
 
@@ -397,7 +401,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     timer.run("wait", part.drain)
 
     del partial
-    dq, dk, dvv = finish_gradients(be, grads, q.dtype, plan.scale)
+    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]
     # The holder's pairs: its queries against the owner's keys, or (burst) the owner's
     # queries against its keys.

@@ -20,9 +20,11 @@ from . import ring
 from .backends import NumpyBackend
 from .backends.threads import node_masks, shares_cores, threads_per_rank
 from .backends.cupy_backend import CupyBackend
-from .comm import DeviceMPITransport, MPITransport, StagedMPITransport, private_comm
+from .transport.comm import DeviceMPITransport, MPITransport, StagedMPITransport, private_comm
 from .config import settings
-from .shm import NoRoom, transport_for
+from .transport.nodes import nodes
+from .transport.shm import NoRoom, transport_for
+from .transport.slowlinks import SlowLinksTransport
 from .device import import_cupy, node_rank, pick_device
 from .interop import cupyx_pinned, is_host, to_device, to_host
 from .validate import agree
@@ -75,6 +77,7 @@ class Runtime:
         self._host = None
         self._channels = {}
         self._arena = None
+        self.nodes = None  # burstmpi.transport.nodes.Nodes, from the first call on
 
     # -- where a call runs ----------------------------------------------------------------
 
@@ -90,6 +93,8 @@ class Runtime:
         """Be ready to run on ``kind`` (collective when that changes: a first call, or a
         switch between host and GPU). ``options`` are the plan's (name, value) pairs, agreed
         on before the GPU set-up's collectives so a rank that disagrees raises, not hangs."""
+        if self.nodes is None:  # every rank's first call: collective
+            self.nodes = nodes(self.comm)
         if getattr(self.backend, "name", None) == kind:
             return
         agree(self.comm, fn, None, [("runs on", kind)] + list(options))
@@ -132,8 +137,14 @@ class Runtime:
 
     def _host_transport(self, fn, one_node):
         """How host buffers travel: read in place from a shared window when every rank is on
-        one node (``one_node``, the same on every rank; ``burstmpi.shm``), unless
+        one node (``one_node``, the same on every rank; ``burstmpi.transport.shm``), unless
         ``transport='mpi'``; else MPI."""
+        gbps = settings().internode_gbps
+        if gbps and self.nodes.count > 1:  # a simulation aid: slow links between (fake) nodes
+            if self.transport_name == "shm":
+                raise ValueError(f"{fn}: transport: 'shm' reads packets in place; BURSTMPI_INTERNODE_GBPS "
+                                 "slows MPI transfers: use 'auto' or 'mpi'")
+            return SlowLinksTransport(self.comm, self.nodes, gbps)
         if self.nranks == 1 or self.transport_name == "mpi":
             return MPITransport(self.comm)
         if one_node:
@@ -167,7 +178,7 @@ class Runtime:
 
     def _gpu_transport(self, fn, cupy, dev):
         """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
-        from . import nccl
+        from .transport import nccl
 
         everyone = self.comm.allgather((MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
                                         nccl.available()))
@@ -199,7 +210,7 @@ class Runtime:
         so all of them share one arena as large as the largest phase needs (the forward's
         K/V double buffer and the backward's packets reuse the same memory). Channels are
         cached per phase while their shapes stay the same. A transport may carry a class's
-        traffic on its own kind of channel, in memory it allocates (``burstmpi.shm``).
+        traffic on its own kind of channel, in memory it allocates (``burstmpi.transport.shm``).
         """
         begin = getattr(self.transport, "begin", None)
         if begin is not None:

@@ -25,7 +25,7 @@ reach the same neighbour.
 
 import time
 
-from .comm import Channel
+from .transport.comm import Channel
 from .ring import (Timer, _rows, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces,
                    key_operands, load_packet, packet_dims, packet_fields, runs)
 
@@ -224,5 +224,5 @@ def backward(plan, dout, q, k, v, out, lse, dims):
                     run(qs, home_k, None, grads["dk"], grads["dv"], qb, kb_home)
 
     _run(plan, steps, [(kvu, kv_s.up), (kvd, kv_s.down), (qu, q_s.up), (qd, q_s.down)], timer, compute)
-    dq, dk, dvv = finish_gradients(be, grads, q.dtype, plan.scale)
+    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
     return dq, dk, dvv, plan.phase_stats(list(chans), owners, pairs, 0, timer, t_start)

@@ -16,13 +16,14 @@ import numpy as np
 from .layout import LAYOUTS
 from .masks.patterns import Mask
 
-__all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "check_window", "check_mask", "check_options",
+__all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "TOPOLOGIES", "check_window", "check_mask", "check_options",
            "check_forward", "check_backward", "check_cu_seqlens", "check_lengths", "check_out", "agree",
            "report", "checksum",
            "fingerprint", "global_layout"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 BWD_MODES = ("auto", "burst", "ring", "two-way")
+TOPOLOGIES = ("flat", "two-level", "auto")
 
 
 def _shape(x):
@@ -48,7 +49,8 @@ def check_mask(fn, mask):
                         f"with & and |), got {type(mask).__name__}: {mask!r}"[:400])
 
 
-def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto", mask=None):
+def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto", mask=None, head_parallel=1,
+                  topology="flat"):
     check_mask(fn, mask)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{fn}: causal: expected a bool, got {causal!r}")
@@ -67,6 +69,14 @@ def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto",
         raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
     if bwd_comm not in BWD_MODES:
         raise ValueError(f"{fn}: bwd_comm: expected one of {BWD_MODES}, got {bwd_comm!r}")
+    if isinstance(head_parallel, (bool, np.bool_)) or not isinstance(head_parallel, numbers.Integral) \
+            or head_parallel < 1:
+        raise ValueError(f"{fn}: head_parallel: expected an integer >= 1, got {head_parallel!r}")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"{fn}: topology: expected one of {TOPOLOGIES}, got {topology!r}")
+    if topology == "two-level" and bwd_comm in ("burst", "two-way"):
+        raise ValueError(f"{fn}: bwd_comm: the two-level ring's backward circulates K/V ('ring' or 'auto'), "
+                         f"got {bwd_comm!r}")
 
 
 def _dtype_name(x):
@@ -192,7 +202,7 @@ def agree(comm, fn, error, signature, length=0, idle=False):
     """
     from mpi4py import MPI
 
-    from .comm import complete
+    from .transport.comm import complete
 
     h = checksum(signature)
     mine = np.array([1 if error else 0, h, int(length)], dtype=np.int64)

@@ -67,21 +67,23 @@ def check_close(name, ours, exact, plain, dtype, record=True):
 def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=False,
              window=None, layout="contiguous", bwd_comm="burst", softmax_scale=None, seed=0,
              check_backward=True, backend=None, transport=None, tag="", N=None, cu_seqlens=None, mask=None,
-             record=True):
+             record=True, head_parallel=1, topology="flat"):
     """Run forward and backward on COMM_WORLD and check them against float64.
 
     The global length is ``N`` (default ``C`` tokens per rank); ``cu_seqlens`` packs
     documents. ``backend``: a backend object to run the plan on instead of the default
     one; ``transport``: a transport class to build the plan's transport from; ``tag``
     prefixes the quantity names in the error table; ``mask``: a ``burstmpi.masks`` mask;
-    ``record=False`` keeps the errors out of the table (runs meant to fail)."""
+    ``record=False`` keeps the errors out of the table (runs meant to fail); ``head_parallel``:
+    the plan's (``burstmpi.heads``); ``topology``: the plan's ("flat", "two-level", "auto")."""
     N = C * NRANKS if N is None else N
     q, k, v, do = ref.random_problem(B, N, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     opts = dict(causal=causal, window=window, softmax_scale=softmax_scale, mask=mask)
     docs = dict(cu_seqlens=cu_seqlens)
     sh = lambda x: burstmpi.shard(x, layout=layout, **docs)
     un = lambda x, axis=1: burstmpi.unshard(x, layout=layout, axis=axis, **docs)
-    plan = burstmpi.BurstAttention(layout=layout, bwd_comm=bwd_comm, **opts)
+    plan = burstmpi.BurstAttention(layout=layout, bwd_comm=bwd_comm, head_parallel=head_parallel, topology=topology,
+                                   **opts)
     plan.backend = backend
     if transport is not None:
         plan.transport = transport(plan.comm)

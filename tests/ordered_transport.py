@@ -14,7 +14,7 @@ import contextlib
 
 from mpi4py import MPI
 
-from burstmpi.comm import MPITransport
+from burstmpi.transport.comm import MPITransport
 
 
 class InOrderTransport(MPITransport):

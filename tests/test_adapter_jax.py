@@ -9,6 +9,8 @@ import burstmpi
 from adapters_common import B, H, D, LAYOUTS, MASKS, dense_weight_grad, docs_for, local_rows, split, step_problem
 from conftest import COMM, NRANKS
 
+HEAD_GROUPS = [u for u in (2, 4) if NRANKS % u == 0]  # head_parallel: divides the ranks and H = 4
+
 pytestmark = pytest.mark.extras  # .ci/run's second phase, with the optional packages
 jax = pytest.importorskip("jax")
 jax.config.update("jax_enable_x64", True)
@@ -62,10 +64,11 @@ def test_jax_check_grads_float64(causal, window, layout):
     check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-7, rtol=1e-7)
 
 
-def _loss(layout, causal, window, cu, rows, pattern=None):
+def _loss(layout, causal, window, cu, rows, pattern=None, head_parallel=1):
     def loss(W, x_local, target_local):
         q, k, v = split(x_local @ W)
-        out = bj.attention(q, k, v, causal=causal, window=window, layout=layout, cu_seqlens=cu, mask=pattern)
+        out = bj.attention(q, k, v, causal=causal, window=window, layout=layout, cu_seqlens=cu, mask=pattern,
+                           head_parallel=head_parallel)
         return (out * target_local).sum()
 
     return loss
@@ -75,6 +78,18 @@ def _loss(layout, causal, window, cu, rows, pattern=None):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mask", [m[0] for m in MASKS])
 def test_projection_step_matches_dense(jit, layout, mask):
+    _projection_step(jit, layout, mask)
+
+
+@pytest.mark.skipif(not HEAD_GROUPS, reason="needs a rank count that 2 or 4 divides")
+@pytest.mark.parametrize("mask", ["causal", "sinks-chunks-per-head"])
+def test_projection_step_with_head_parallel(mask):
+    """Groups of u ranks share the heads (u = 4 replicates the 2 K/V heads)."""
+    for u in HEAD_GROUPS:
+        _projection_step(True, "zigzag", mask, u)
+
+
+def _projection_step(jit, layout, mask, head_parallel=1):
     from mpi4py import MPI
 
     _, causal, window, docs, pattern = next(m for m in MASKS if m[0] == mask)
@@ -82,7 +97,7 @@ def test_projection_step_matches_dense(jit, layout, mask):
     cu = docs_for(N) if docs else None
     x, W, target = step_problem(N)
     rows = local_rows(N, layout, cu)
-    grad = jax.value_and_grad(_loss(layout, causal, window, cu, rows, pattern))
+    grad = jax.value_and_grad(_loss(layout, causal, window, cu, rows, pattern, head_parallel))
     if jit:
         grad = jax.jit(grad)
     value, g = grad(jnp.asarray(W), jnp.asarray(x[:, rows]), jnp.asarray(target[:, rows]))

@@ -12,6 +12,8 @@ from adapters_common import (B, H, D, LAYOUTS, MASKS, dense_weight_grad, docs_fo
                              split, step_problem)
 from conftest import COMM, NRANKS, RANK
 
+HEAD_GROUPS = [u for u in (2, 4) if NRANKS % u == 0]  # head_parallel: divides the ranks and H = 4
+
 pytestmark = pytest.mark.extras  # .ci/run's second phase, with the optional packages
 torch = pytest.importorskip("torch")
 bt = pytest.importorskip("burstmpi.torch")
@@ -59,7 +61,7 @@ def test_gradcheck_float64(causal, window, layout):
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-8)
 
 
-def _step(x, W, target, layout, causal, window, cu, pattern=None):
+def _step(x, W, target, layout, causal, window, cu, pattern=None, head_parallel=1):
     """Each rank: its tokens -> projections -> burstmpi attention -> its share of the loss
     -> backward. Returns (the weight gradient summed over ranks, this rank's out)."""
     N = x.shape[1]
@@ -67,7 +69,8 @@ def _step(x, W, target, layout, causal, window, cu, pattern=None):
     Wt = torch.tensor(W, requires_grad=True)
     qkv = torch.tensor(x[:, rows]) @ Wt
     q, k, v = split(qkv)
-    out = bt.attention(q, k, v, causal=causal, window=window, layout=layout, cu_seqlens=cu, mask=pattern)
+    out = bt.attention(q, k, v, causal=causal, window=window, layout=layout, cu_seqlens=cu, mask=pattern,
+                       head_parallel=head_parallel)
     (out * torch.tensor(target[:, rows])).sum().backward()
     grad = Wt.grad.numpy()
     total = np.empty_like(grad)
@@ -89,6 +92,19 @@ def test_projection_step_matches_dense(layout, mask):
     err = np.abs(total - dense).max() / np.abs(dense).max()
     assert err < 1e-12, err
     assert out.dtype == torch.float64 and out.shape == (B, len(local_rows(N, layout, cu)), H, D)
+
+
+@pytest.mark.skipif(not HEAD_GROUPS, reason="needs a rank count that 2 or 4 divides")
+@pytest.mark.parametrize("mask", ["causal", "sinks-chunks-per-head"])
+def test_projection_step_with_head_parallel(mask):
+    """Groups of u ranks share the heads (u = 4 replicates the 2 K/V heads)."""
+    _, causal, window, docs, pattern = next(m for m in MASKS if m[0] == mask)
+    N = 5 * NRANKS + 3
+    x, W, target = step_problem(N)
+    for u in HEAD_GROUPS:
+        total, _ = _step(x, W, target, "zigzag", causal, window, None, pattern, head_parallel=u)
+        dense = dense_weight_grad(x, W, target, causal, window, None, pattern)
+        assert np.abs(total - dense).max() / np.abs(dense).max() < 1e-12, u
 
 
 def test_any_subset_requires_grad_and_half_precision():

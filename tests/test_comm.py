@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from burstmpi.comm import Channel, DeviceMPITransport, PartialChannel
+from burstmpi.transport.comm import Channel, DeviceMPITransport, PartialChannel
 
 
 class Loopback:

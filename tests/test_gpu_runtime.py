@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import burstmpi
-from burstmpi import nccl
-from burstmpi.comm import StagedMPITransport
+from burstmpi.transport import nccl
+from burstmpi.transport.comm import StagedMPITransport
 from burstmpi.device import pick_device
 from conftest import COMM, NRANKS, RANK, check_against_float64
 

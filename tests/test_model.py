@@ -54,5 +54,37 @@ def test_predictions_behave():
 def test_cli_predicts_and_recommends():
     res = CliRunner().invoke(model.main, ["predict", "-P", "4", "-N", "16K", "-H", "8", "--causal"])
     assert res.exit_code == 0, res.output
-    assert "# Recommended: layout" in res.output
-    assert sum(1 for l in res.output.splitlines() if not l.startswith("#")) == 6
+    assert "# Recommended: layout" in res.output and "# Recommended across nodes:" in res.output
+    # 6 layout x mode rows, then flat, two-level and head-parallel across the nodes
+    assert sum(1 for l in res.output.splitlines() if not l.startswith("#")) == 9
+
+
+def test_topologies_bytes_across_nodes():
+    """Non-causal, 8 ranks as 4 nodes of 2: the flat ring's busiest rank sends P - 1
+    packets across the network a phase, the two-level ring's N - 1 (plus the backward's
+    partials home), head parallelism's P/u - 1 packets of the same size."""
+    from burstmpi.model_topology import predict_ring
+
+    B, N, Z, d, e, P, g = 1, 8192, 8, 64, 4, 8, 2
+    C = N // P
+    shape = model.Shape(B, N, Z, Z, d, d, e, causal=False)
+    m = model.Machine("m", 10, 10, intra_gbps=10, inter_gbps=1, ranks_per_node=g)
+    kv = 2 * e * B * C * Z * d / 1e6
+    flat = predict_ring(shape, m, P, "contiguous", "flat", bwd_mode="ring")
+    two = predict_ring(shape, m, P, "contiguous", "two-level")
+    heads = predict_ring(shape, m, P, "contiguous", "flat", head_parallel=g, bwd_mode="ring")
+    partial = 2 * 4 * B * C * Z * d / 1e6  # dK, dV in float32
+    assert flat["inter_mb"] == pytest.approx((P - 1) * (2 * kv + partial))
+    assert two["inter_mb"] == pytest.approx((P // g - 1) * (2 * kv + partial))
+    assert heads["inter_mb"] == pytest.approx((P // g - 1) * (2 * kv + partial))
+    assert two["fwdbwd_ms"] < flat["fwdbwd_ms"] and two["topology"] == "two-level"
+
+
+def test_scale_cli_tabulates_every_topology():
+    res = CliRunner().invoke(model.main, ["scale", "--ranks", "8,1024", "--tokens", "128K,16M", "-K", "32"])
+    assert res.exit_code == 0, res.output
+    rows = [l.split() for l in res.output.splitlines() if not l.startswith("#")]
+    assert len(rows) == 4 and all(r[-1] in ("flat", "two-level", "head-parallel") for r in rows)
+    # 1024 GPUs, 128K tokens: 128 tokens each cannot hide the flat ring's network hops
+    small = next(r for r in rows if r[1] == "1024" and r[2] == "128K")
+    assert float(small[3]) > float(small[7])  # flat slower than two-level

@@ -13,16 +13,27 @@ exit non-zero when a value is wrong (1), a row did not fit in memory (4) or a
 configuration regressed (3).
 """
 
+import os
+
 import click
 from mpi4py import MPI
 
 from . import attention, decode as decode_mode
 from ..layout import LAYOUTS
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
-from .common import DTYPES, cpu_line, legend, parse_bytes, parse_size, parse_window
+from .common import DTYPES, cpu_line, legend, parse_bytes, parse_counts, parse_size, parse_window
 from .patterns import check_spec
+from ..validate import TOPOLOGIES
 
 __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
+
+
+def _topologies(value):
+    names = [x.strip() for x in str(value).split(",") if x.strip()]
+    bad = [x for x in names if x not in TOPOLOGIES]
+    if not names or bad:
+        raise click.BadParameter(f"expected some of {', '.join(TOPOLOGIES)} separated by commas, got {value!r}")
+    return list(dict.fromkeys(names))
 
 
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))
@@ -56,6 +67,17 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
 @click.option("--bwd", "bwd_comm", default="auto", show_default=True,
               type=click.Choice(["auto", "burst", "ring", "two-way", "all"]),
               help="Backward communication mode; all = burst, ring and two-way side by side.")
+@click.option("--head-parallel", default="1", show_default=True, callback=parse_counts, metavar="U[,U...]",
+              help="Groups of U consecutive ranks of a node share the heads and the ring runs over the groups "
+                   "(BurstAttention(head_parallel=U)); a list runs each side by side (1: the flat ring).")
+@click.option("--topology", default="flat", show_default=True, callback=lambda ctx, p, v: _topologies(v),
+              metavar="T[,T...]",
+              help="The ring: flat, two-level (a ring in each node and one between nodes) or auto; a list runs "
+                   "each side by side (BurstAttention(topology=)).")
+@click.option("--internode-gbps", default=None, type=click.FloatRange(0, min_open=True), metavar="X",
+              help="A simulation aid: transfers between nodes (BURSTMPI_RANKS_PER_NODE fakes them) take at least "
+                   "bytes / (X GB/s), as over a network of X GB/s per rank; sets BURSTMPI_INTERNODE_GBPS "
+                   "(burstmpi.transport.slowlinks). Host arrays over MPI.")
 @click.option("--torch/--no-torch", "use_torch", default=False, show_default=True,
               help="Also time PyTorch scaled_dot_product_attention on the global problem (rank 0).")
 @click.option("--trace-memory", is_flag=True,
@@ -106,6 +128,9 @@ def main(ctx, **opts):
             click.echo("\n".join(legend(mode.ALL_COLUMNS if hasattr(mode, "ALL_COLUMNS") else mode.COLUMNS,
                                          mode.LEGEND)))
         return
+    gbps = opts.pop("internode_gbps")
+    if gbps is not None:  # every plan of the run reads it (burstmpi.config)
+        os.environ["BURSTMPI_INTERNODE_GBPS"] = repr(gbps)
     if opts.pop("decode"):
         decode_mode.main(comm, ctx, opts)
     else:

@@ -52,6 +52,7 @@ from .. import packing, reference
 from ..api import shard_indices, unshard
 from ..masks.intervals import Bounds, Mask
 from ..plan import BurstAttention
+from ..transport.nodes import nodes
 from ..layout import LAYOUTS
 from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, cores, idle_barrier,
                      np_dtype, reads_in_place, resolve_device, say, seqlens, sweep, timed, wall)
@@ -88,7 +89,7 @@ COLUMNS = [
 
 # The keys that identify a configuration (regression mode matches rows on them).
 CONFIG_KEYS = ("seqlen", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
-               "bwd_mode", "ranks", "docs_spec", "mask_spec")
+               "bwd_mode", "ranks", "docs_spec", "mask_spec", "head_parallel", "topology")
 
 
 # Published setups, so users can compare directly. Lengths are global; "per_rank" ones
@@ -124,6 +125,15 @@ MASK_COLUMNS = [
 ]
 
 
+# --topology, --head-parallel: the ring that ran and the group size of the row (1: none).
+HEAD_COLUMNS = [("ring", "ring", "", 9, "s"), ("hp", "head", "par", 4, "d")]
+
+
+# Shown where the ranks span several nodes (burstmpi.transport.nodes: BURSTMPI_RANKS_PER_NODE
+# makes one machine play several).
+NODE_COLUMNS = [("intra_mb", "intra", "MB/rk", 8, ".1f"), ("inter_mb", "inter", "MB/rk", 8, ".1f")]
+
+
 TORCH_COLUMNS = [
     ("torch_fwd_tflops", "torch", "fwd TF/s", 8, ".3f"),
     ("torch_fwdbwd_tflops", "torch", "f+b TF/s", 8, ".3f"),
@@ -131,7 +141,7 @@ TORCH_COLUMNS = [
 ]
 
 
-ALL_COLUMNS = COLUMNS + MEMORY_COLUMNS + PADDED_COLUMNS + MASK_COLUMNS + TORCH_COLUMNS
+ALL_COLUMNS = COLUMNS + MEMORY_COLUMNS + PADDED_COLUMNS + MASK_COLUMNS + HEAD_COLUMNS + NODE_COLUMNS + TORCH_COLUMNS
 
 
 # One line per column for --legend (header and unit are the table's).
@@ -183,6 +193,11 @@ LEGEND = {
     "eff_fwd": "--mask PATTERN: sparse efficiency of the forward: dense time x visible / masked time (1.00: "
                "time falls exactly in proportion to the visible pairs)",
     "eff_fwdbwd": "--mask PATTERN: the same for forward + backward",
+    "ring": "--topology: the ring that ran (flat, or two-level: a ring in each node and one between them)",
+    "hp": "--head-parallel: ranks per group sharing the heads; the ring runs over the groups (1: flat)",
+    "intra_mb": "bytes one rank sent to ranks of its own node, forward + backward (max over ranks)",
+    "inter_mb": "bytes one rank sent to other nodes, forward + backward (max over ranks): what crosses the "
+                "network",
     "vs_torch_fwd": "--torch: our job's forward TFLOP/s over torch's (above 1: burstmpi is faster)",
     "vs_torch_fwdbwd": "--torch: the same for forward + backward",
 }
@@ -432,14 +447,16 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     q, k, v, do = arrays
     spec = cfg.get("mask_spec")
     mask = None if spec is None else build_pattern(spec, N, Z, seed)
+    hp, topology = cfg.get("head_parallel") or 1, cfg.get("topology") or "flat"
+    bwd = "ring" if topology == "two-level" and cfg["bwd_comm"] == "auto" else cfg["bwd_comm"]
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
-                          bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                          transport=transport, mask=mask)
+                          bwd_comm=bwd, backend=dev.backend,
+                          transport=transport, mask=mask, head_parallel=hp, topology=topology)
     memory = _footprint(comm, cfg, window, q, k, v, do, cu, mask) if trace_memory else {}
     dense, dense_times = None, []  # the same shapes unmasked, for --mask PATTERN
     if mask is not None:
-        dense = BurstAttention(layout=cfg["layout"], bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                               transport=transport)
+        dense = BurstAttention(layout=cfg["layout"], bwd_comm=bwd, backend=dev.backend,
+                               transport=transport, head_parallel=hp, topology=topology)
         _iterations(comm, dense, arrays, 0, 1, dev)  # warmed up, untimed
     ref = []  # (fwd, bwd) seconds of the local kernel
     torch_tick, torch_times = _torch_timer(comm, cfg, local, dev.backend == "cuda") if use_torch else (None, [])
@@ -479,6 +496,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     compute = comm.allreduce(st.forward.compute_s + st.backward.compute_s, op=MPI.MAX)
     exposed = comm.allreduce(st.forward.wait_s + st.backward.wait_s, op=MPI.MAX)
     sent = comm.allreduce(st.forward.bytes_sent + st.backward.bytes_sent, op=MPI.MAX)
+    inter = st.forward.bytes_internode + st.backward.bytes_internode
+    intra = st.forward.bytes_sent + st.backward.bytes_sent - inter
     row = dict(cfg)
     row.pop("bwd_comm")
     fl = {phase: flops(B, N, Z, d, cfg["causal"], phase, window, cu) for phase in ("fwd", "bwd", "fwdbwd")}
@@ -503,6 +522,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         fwdbwd_tflops=fl["fwdbwd"] / P / fb_s / 1e12,
         fwd_mb_sent=comm.allreduce(st.forward.bytes_sent, op=MPI.MAX) / 1e6,
         bwd_mb_sent=comm.allreduce(st.backward.bytes_sent, op=MPI.MAX) / 1e6,
+        ring=st.topology, hp=hp, intra_mb=comm.allreduce(intra, op=MPI.MAX) / 1e6, inter_mb=comm.allreduce(inter, op=MPI.MAX) / 1e6,
         steps_skipped=comm.allreduce(st.forward.steps_skipped, op=MPI.SUM),
         fwd_wait_ms=1e3 * comm.allreduce(st.forward.wait_s, op=MPI.MAX),
         bwd_wait_ms=1e3 * comm.allreduce(st.backward.wait_s, op=MPI.MAX),
@@ -572,16 +592,21 @@ def main(comm, ctx, o):
     causals = [True] if pattern else {"none": [False], "causal": [True], "both": [False, True]}[mask]
     if pattern and (o["use_torch"] or docs is not None or window is not None):
         raise click.UsageError("--mask PATTERN runs alone: drop --torch, --docs and --window")
+    # head_parallel None for 1: rows from before --head-parallel still match a baseline's.
     configs = [dict(seqlen=n, batch=o["batch"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=dt, causal=int(c), layout=lay, bwd_comm=bw, mask_spec=pattern)
+                    dtype=dt, causal=int(c), layout=lay, bwd_comm=bw, mask_spec=pattern,
+                    head_parallel=u if u > 1 else None, topology=None if topo == "flat" else topo)
                for n in seqlens(minseq, maxseq, stepfactor)
                for dt in choices(dtype, DTYPES)
                for c in causals
                for lay in choices(layout, LAYOUTS)
-               for bw in choices(o["bwd_comm"], ["burst", "ring", "two-way"])]  # "all": side by side
+               for bw in choices(o["bwd_comm"], ["burst", "ring", "two-way"])  # "all": side by side
+               for u in o["head_parallel"]
+               for topo in o["topology"]]
     params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=o["iters"], warmup=o["warmup"],
                   check=o["check"], dtype=dtype, average=REDUCE[o["reduce"]][0], batch=o["batch"], heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
+                  head_parallel=",".join(map(str, o["head_parallel"])), topology=",".join(o["topology"]),
                   window=window, docs=docs, bwd=o["bwd_comm"], torch=o["use_torch"],
                   trace_memory=o["trace_memory"], seed=o["seed"], preset=o["preset"], baseline=o["baseline"],
                   tolerance=o["tolerance"] if o["baseline"] else None, mem_limit=o["mem_limit"])
@@ -595,7 +620,9 @@ def main(comm, ctx, o):
         transport = "auto"  # a GPU transport: host arrays take shm or mpi, as auto picks
     params.update(backend=dev.backend, transport=transport)
     columns = (COLUMNS + (MEMORY_COLUMNS if o["trace_memory"] else []) + (PADDED_COLUMNS if docs else [])
-               + (MASK_COLUMNS if pattern else []) + (TORCH_COLUMNS if o["use_torch"] else []))
+               + (MASK_COLUMNS if pattern else []) + (NODE_COLUMNS if nodes(comm).count > 1 else [])
+               + (HEAD_COLUMNS if o["head_parallel"] != [1] or o["topology"] != ["flat"] else [])
+               + (TORCH_COLUMNS if o["use_torch"] else []))
     work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window,
                   None if docs is None else packing.pack(docs, c["seqlen"], o["seed"]))
             for c in configs]

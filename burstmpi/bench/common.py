@@ -24,14 +24,16 @@ from mpi4py import MPI
 
 from .. import __version__, regress
 from ..backends.threads import cores, node_masks, shares_cores
-from ..comm import complete
+from ..config import settings
+from ..transport.comm import complete
+from ..transport.nodes import nodes
 from ..interop import bfloat16
 from .binding import bind_ranks
 from .memory import Budget, Refused, peak_bytes, reset_peak
 
-__all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "choices", "cores", "say",
-           "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "barrier", "idle_barrier", "wall",
-           "load_baseline", "sweep", "budget_for", "reads_in_place", "backend_line", "legend", "parse_bytes"]
+__all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "parse_counts", "choices", "cores",
+           "say", "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "barrier", "idle_barrier",
+           "wall", "load_baseline", "sweep", "budget_for", "reads_in_place", "backend_line", "legend", "parse_bytes"]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
@@ -80,6 +82,17 @@ def parse_bytes(ctx, param, value):
     return n
 
 
+def parse_counts(ctx, param, value):
+    """``1,2,4`` -> [1, 2, 4]: positive integers, in order, each once."""
+    try:
+        counts = [int(x) for x in str(value).split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(f"expected positive integers separated by commas, got {value!r}")
+    return list(dict.fromkeys(counts))
+
+
 def parse_window(ctx, param, value):
     if value is None:
         return None
@@ -119,7 +132,6 @@ def _cpu_ops():
     """The CPU backend's tile loops as configured (``tile_ops`` or ``cpu_tiles``), or why
     they are unavailable (a string)."""
     from ..backends.numpy_backend import NumpyBackend
-    from ..config import settings
 
     try:
         return NumpyBackend(kernels=settings().cpu_kernels).ops
@@ -131,7 +143,6 @@ def cpu_kernels_line(comm):
     """The CPU backend's tile loops (compiled, and over which sgemm, or NumPy's), its threads
     per rank, and what their first use cost (compiling, or loading from numba's disk cache)."""
     from ..backends.threads import threads_per_rank
-    from ..config import settings
 
     threads = threads_per_rank(comm, settings().threads)
     ops = _cpu_ops()
@@ -229,7 +240,7 @@ def backend_line(comm, dev, transport="auto"):
     Collective on GPUs: the transport is chosen from every rank's facts, as the runtime
     chooses it (NCCL where every rank has it and no two ranks share a GPU)."""
     if dev.backend == "cuda":
-        from .. import nccl
+        from ..transport import nccl
 
         facts = comm.allgather((socket.gethostname(), dev.cupy.cuda.Device().id, nccl.available()))
         shared = len({(host, gpu) for host, gpu, _ in facts}) < len(facts)
@@ -264,7 +275,7 @@ def legend(columns, definitions):
 
 
 def reads_in_place(comm, dev, budget, transport="auto"):
-    """Will the ring's host packets live in a shared window (``burstmpi.shm``), as the
+    """Will the ring's host packets live in a shared window (``burstmpi.transport.shm``), as the
     runtime's ``transport="auto"`` (or ``"shm"``) picks: host arrays, ranks all on one node?"""
     return dev.backend == "numpy" and comm.Get_size() > 1 and transport in ("auto", "shm") \
         and budget.node_size == comm.Get_size()
@@ -409,10 +420,16 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     P = comm.Get_size()
     base_rows = load_baseline(comm, baseline)
     who = comm.gather((socket.gethostname(), os.getpid(), dev.describe()), root=0)
+    where = nodes(comm)  # collective
+    cfg = settings()
+    how = "BURSTMPI_RANKS_PER_NODE" if cfg.ranks_per_node else "MPI's shared-memory split"
+    if cfg.internode_gbps and where.count > 1:
+        how += f"; links between nodes slowed to {cfg.internode_gbps:g} GB/s (--internode-gbps, a simulation)"
     say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {backend_line(comm, dev, transport)}, {P} rank(s), "
               f"{MPI.Get_library_version().splitlines()[0].strip()}",
         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
         *placed, *([cpu_kernels_line(comm)] if dev.backend == "numpy" else []), cpu_line(),
+        f"#  Nodes: {where.describe()} ({how})",
         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
           if who else []),
         "#  Columns: burstmpi-bench --legend" + (" --decode" if mode == "decode" else "")

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..cache import KVCache
-from ..comm import Channel
+from ..transport.comm import Channel
 from ..layout import layout_of
 from .common import (DTYPES, REDUCE, TOLERANCE, budget_for, choices, idle_barrier, np_dtype, reads_in_place,
                      resolve_device, say, seqlens, sweep, timed)

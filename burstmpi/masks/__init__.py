@@ -8,6 +8,6 @@ Underneath, a mask is lowered to disjoint monotone intervals per row
 the CUDA kernels skip what no query sees (``burstmpi.masks.intervals``).
 """
 
-from .patterns import BlockSparse, Causal, Chunked, Mask, PerHead, Sinks, Window
+from .patterns import BlockSparse, Causal, Chunked, Mask, PerHead, Sinks, Window, head_slice
 
 __all__ = ["Mask", "Causal", "Window", "Sinks", "Chunked", "BlockSparse", "PerHead"]

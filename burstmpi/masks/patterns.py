@@ -329,3 +329,33 @@ class Or(_Combined):
             # Two bitmaps of one grid: their union is one bitmap, one term.
             return [(T.Filter(a.block_size, a._plane(head) | b._plane(head)),)]
         return T.disj(a.terms(head), b.terms(head))
+
+
+class HeadSlice(Mask):
+    """Query heads start .. start + count - 1 of a per-head mask, as heads 0 .. count - 1:
+    what one member of a head-parallel group computes (``burstmpi.heads``)."""
+
+    def __init__(self, mask, start, count):
+        self.mask, self.start, self.heads = mask, int(start), int(count)
+
+    def check(self, fn, seqlen, heads):
+        super().check(fn, seqlen, heads)
+        self.mask.check(fn, seqlen, self.mask.heads)
+
+    def _visible(self, i, j, seqlen, cu, head):
+        return self.mask._visible(i, j, seqlen, cu, head + self.start)
+
+    def spec(self):
+        return ("heads", self.start, self.heads, self.mask.spec())
+
+    def terms(self, head):
+        return self.mask.terms(head + self.start)
+
+    def __repr__(self):
+        return f"{self.mask!r}[heads {self.start}:{self.start + self.heads}]"
+
+
+def head_slice(mask, start, count):
+    """``mask`` for query heads start .. start + count - 1 only (a mask that is the same for
+    every head is returned as it is)."""
+    return mask if mask.heads is None else HeadSlice(mask, start, count)

@@ -41,7 +41,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .comm import (HOME_TAG_OFFSET, Channel, MPITransport, Packet, PartialChannel, _packet, check_rows,
+from .comm import (HOME_TAG_OFFSET, Channel, Counted, MPITransport, Packet, PartialChannel, _packet, check_rows,
                    check_send_rows, complete, rows_bytes)
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
@@ -213,7 +213,7 @@ class ShmChannel(Channel):
         self._held = self._next = self.rows
         self._tokens = np.zeros(2, dtype=np.int64)  # [sent, received]
         self._pending = self._forward = self._ahead = None
-        self.bytes_sent = self.bytes_recv = 0
+        self.reset_counts()
 
     def begin(self):
         """A phase starts with this rank's own packet current (``Runtime.channels``)."""
@@ -222,7 +222,7 @@ class ShmChannel(Channel):
         self._forward = None
         self._owner = self.transport.rank
         self._held = self.rows
-        self.bytes_sent = self.bytes_recv = 0
+        self.reset_counts()
 
     @property
     def current(self):
@@ -256,7 +256,7 @@ class ShmChannel(Channel):
         self._owner, self._held = int(self._tokens[1]), self._next
 
 
-class ShmPartialChannel:
+class ShmPartialChannel(Counted):
     """``comm.PartialChannel``'s interface for gradient partials read in place: sent from
     two alternating buffers, each written again only after its reader acknowledged it (on
     a tag of the buffer's own, so acknowledgements never pair with the wrong buffer). A
@@ -291,11 +291,11 @@ class ShmPartialChannel:
         self._recvs = {}           # home? -> (request, source, rows) of a posted receive
         self._unacked = []         # (source, buffer) of partials added, not yet acknowledged
         self._views = {}
-        self.bytes_sent = self.bytes_recv = 0
+        self.reset_counts()
 
     def begin(self):
         """A phase starts (``Runtime.channels``): its byte counts start from zero."""
-        self.bytes_sent = self.bytes_recv = 0
+        self.reset_counts()
 
     def _acknowledge(self):
         """Tell the senders of the partials read that they have been added (their reads
@@ -371,7 +371,7 @@ class ShmPartialChannel:
         self._sends.append(self.transport.isend(self._ids[i:i + 1], dest, self.tag + (HOME_TAG_OFFSET if home else 0)))
         if not home:
             self._acks[i] = self.transport.irecv(self._acked[i:i + 1], dest, self.tag + ACK_TAG_OFFSET + i)
-        self.bytes_sent += rows_bytes(self._fields, self._send_rows)
+        self.count_sent(dest, rows_bytes(self._fields, self._send_rows))
         self._next = 1 - i
 
     def progress(self):

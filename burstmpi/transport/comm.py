@@ -272,7 +272,20 @@ class Packet:
         return v
 
 
-class Channel:
+class Counted:
+    """A channel's byte counts for one phase: sent (in all, and to each rank: what
+    ``PhaseStats.bytes_internode`` sums over the ranks of other nodes) and received."""
+
+    def reset_counts(self):
+        self.bytes_sent = self.bytes_recv = 0
+        self.bytes_to = {}
+
+    def count_sent(self, dest, n):
+        self.bytes_sent += n
+        self.bytes_to[dest] = self.bytes_to.get(dest, 0) + n
+
+
+class Channel(Counted):
     """Two copies of one packet circulating around the ring.
 
     A packet may hold fewer rows than the most (``Packet``): the owner says how many it
@@ -298,7 +311,7 @@ class Channel:
         self._stage_alloc, self._stage = stage, None
         self._cur = 0
         self._pending = self._forward = self._ahead = None
-        self.bytes_sent = self.bytes_recv = 0
+        self.reset_counts()
 
     def begin(self):
         """A phase starts (``Runtime.channels``): its byte counts start from zero, and the
@@ -306,7 +319,7 @@ class Channel:
         if self._ahead is not None:  # sent ahead, always posted by the next step of its phase
             raise RuntimeError(f"{type(self).__name__}.begin: the last phase left a packet sent ahead")
         self._forward = None
-        self.bytes_sent = self.bytes_recv = 0
+        self.reset_counts()
         self._held = [self.rows, self.rows]
 
     @property
@@ -344,7 +357,7 @@ class Channel:
             else:
                 out, n = self._outgoing(send_rows)
                 reqs.append(self.transport.isend(out, self.send_to, self.tag))
-                self.bytes_sent += n
+                self.count_sent(self.send_to, n)
         elif self._ahead is not None:
             raise RuntimeError(f"{type(self).__name__}.post: a packet went ahead, but send is False")
         if recv:
@@ -398,7 +411,7 @@ class Channel:
         (rows,), self._forward = self._forward, None
         out, n = self._outgoing(rows, ahead=True)
         self._ahead = (self.transport.isend(out, self.send_to, self.tag), rows)
-        self.bytes_sent += n
+        self.count_sent(self.send_to, n)
         return True
 
     def wait(self):
@@ -414,7 +427,7 @@ class Channel:
             self._arrived()
 
 
-class PartialChannel:
+class PartialChannel(Counted):
     """A gradient partial travelling one ring step behind its packet.
 
     A partial holds as many rows as its packet had when it left its owner (``rows`` in
@@ -442,11 +455,11 @@ class PartialChannel:
         self._recvs = {}  # home? -> (request, buffer, rows)
         self._send_rows = self.rows
         self.nbytes = self._recv.raw.nbytes
-        self.bytes_sent = self.bytes_recv = 0
+        self.reset_counts()
 
     def begin(self):
         """A phase starts (``Runtime.channels``): its byte counts start from zero."""
-        self.bytes_sent = self.bytes_recv = 0
+        self.reset_counts()
 
     def post_recv(self, source=None, rows=None, home=False):
         if home in self._recvs:
@@ -488,9 +501,9 @@ class PartialChannel:
         ``dest``; ``home``: it goes to its owner, which receives it with ``home=True``."""
         i = self._next
         out = self._send[i].message(self._send_rows)
-        self._send_reqs[i] = self.transport.isend(out, self.send_to if dest is None else dest,
-                                                  self.tag + (HOME_TAG_OFFSET if home else 0))
-        self.bytes_sent += out.nbytes
+        dest = self.send_to if dest is None else dest
+        self._send_reqs[i] = self.transport.isend(out, dest, self.tag + (HOME_TAG_OFFSET if home else 0))
+        self.count_sent(dest, out.nbytes)
         self._next = 1 - i
 
     def progress(self):

@@ -1,0 +1,177 @@
+"""Head parallelism inside nodes: the ring over groups of ranks, each rank of a group
+serving a share of the heads (``BurstAttention(head_parallel=u)``).
+
+Groups are u consecutive ranks of one node (``burstmpi.transport.nodes``). An all-to-all
+inside each group (``transport.alltoall``) turns the members' sequence shards into head
+shards: member i gets every token of its group for query heads ``i H/u .. (i+1) H/u - 1``
+and the K/V heads those use. The ring then runs over the P/u groups, between the members
+of equal index (a ring of P/u ranks, blocks u times longer), with the layout's tokens of
+each group merged (``layout`` ``NAME/u``: the zigzag over the groups stays balanced), and
+a second all-to-all returns every rank its own tokens. Callers keep their sequence shards
+and layout; only the traffic changes: the ring's hops fall from P - 1 to P/u - 1 per
+phase, and the all-to-all stays inside a node.
+
+GQA/MQA with fewer K/V heads than u replicates each K/V head on the u / kv_heads members
+whose query heads use it (never more): their dK/dV shares are summed on the way back, in
+member order and float32 (float64 for float64 inputs), and rounded once. A per-head mask
+is cut to each member's heads (``masks.head_slice``).
+"""
+
+import numpy as np
+
+from .masks import head_slice
+from .transport.alltoall import HeadExchange
+from .transport.nodes import Nodes
+
+__all__ = ["HeadParallel", "check_head_parallel"]
+
+
+def check_head_parallel(fn, u, nranks, nodes, heads, kv_heads):
+    """Raise ValueError naming ``head_parallel`` where groups of ``u`` ranks cannot serve a
+    call of ``heads`` query and ``kv_heads`` K/V heads on these ``nodes``."""
+    if nranks % u:
+        raise ValueError(f"{fn}: head_parallel: expected a divisor of the {nranks} ranks, got {u}")
+    for g in range(nranks // u):
+        where = {nodes.node_of[r] for r in range(g * u, (g + 1) * u)}
+        if len(where) > 1:
+            raise ValueError(f"{fn}: head_parallel: a group of {u} consecutive ranks must lie inside one node, "
+                             f"but ranks {g * u}..{(g + 1) * u - 1} span nodes {sorted(where)} ({nodes.describe()}; "
+                             "BURSTMPI_RANKS_PER_NODE sets the node size)")
+    if heads % u:
+        raise ValueError(f"{fn}: head_parallel: expected a divisor of the {heads} query heads, got {u}")
+    if kv_heads % u and u % kv_heads:
+        raise ValueError(f"{fn}: head_parallel: {u} must divide the {kv_heads} K/V heads or be a multiple of "
+                         "them (each member's query heads then share one replicated K/V head)")
+
+
+def head_slices(u, heads, kv_heads):
+    """Per member: the slice of query heads it serves and the slice of K/V heads they use."""
+    q = [slice(i * heads // u, (i + 1) * heads // u) for i in range(u)]
+    if kv_heads % u == 0:
+        kv = [slice(i * kv_heads // u, (i + 1) * kv_heads // u) for i in range(u)]
+    else:  # replicated: member i's query heads all use one K/V head
+        group = heads // kv_heads
+        kv = [slice(s.start // group, s.start // group + 1) for s in q]
+    return q, kv
+
+
+class HeadParallel:
+    """The head-parallel side of a plan (``plan``: the ``BurstAttention`` that owns it, over
+    all P ranks; it checks and agrees on every call's arguments first)."""
+
+    def __init__(self, plan, u):
+        self.plan, self.u = plan, int(u)
+        self._comms = None   # (group comm, ring comm), split once
+        self._inner = None   # the BurstAttention over the ring of groups
+        self._exchange = {}  # layout -> HeadExchange
+
+    def _setup(self):
+        """Split the plan's communicator (collective, first call) and build the ring's plan."""
+        from .plan import BurstAttention
+
+        if self._inner is not None:
+            return
+        plan, u = self.plan, self.u
+        comm, rank = plan.comm, plan.rank
+        group = comm.Split(rank // u, rank % u)  # the members of my group, in order
+        ring = comm.Split(rank % u, rank // u)   # the members of my index, group by group
+        self._comms = (group, ring)
+        rt = plan.runtime
+        inner = BurstAttention(ring, causal=plan.causal, window=plan.window_arg, softmax_scale=plan.softmax_scale,
+                               layout=plan.layout_name, bwd_comm=plan.bwd_comm, backend=rt.backend_name,
+                               transport=rt.transport_name, device=rt.device_arg, topology=plan.topology)
+        inner.layout_name = f"{plan.layout_name}/{u}"  # each group's tokens merged (burstmpi.layout)
+        if rt.backend is not None and rt.backend.name not in ("numpy", "cuda"):
+            inner.backend = rt.backend  # one put in the plan's place (the tests' emulated kernels) serves the ring
+        nodes = rt.nodes
+        inner.runtime.nodes = Nodes([nodes.node_of[g * u + rank % u] for g in range(plan.nranks // u)], rank // u)
+        self._inner = inner
+
+    def _exchange_for(self, layout):
+        ex = self._exchange.get(id(layout))
+        if ex is None or ex[0] is not layout:
+            g = self.plan.rank // self.u
+            ex = self._exchange[id(layout)] = (layout, HeadExchange(
+                self._comms[0], [layout.positions(r) for r in range(g * self.u, (g + 1) * self.u)]))
+        return ex[1]
+
+    def _inner_for(self, heads):
+        """The ring's plan with this member's share of a per-head mask."""
+        inner, mask = self._inner, self.plan.mask
+        share = self._slices(heads, heads)[0][self.plan.rank % self.u]
+        inner.mask = None if mask is None else head_slice(mask, share.start, share.stop - share.start)
+        return inner
+
+    def _slices(self, heads, kv_heads):
+        return head_slices(self.u, heads, kv_heads)
+
+    def forward(self, h, dims, cu_seqlens, xp):
+        """``(out, lse, stats)`` of checked and agreed arrays ``h`` (q, k, v)."""
+        self._setup()
+        B, C, Z, Zkv, d, dv = dims
+        ex = self._exchange_for(self.plan.layout)
+        ex.bytes_sent = 0
+        qs, kvs = self._slices(Z, Zkv)
+        host = _Staging(xp)
+        q, k, v = (host.back(ex.to_heads(host.out(h[n]), s)) for n, s in (("q", qs), ("k", kvs), ("v", kvs)))
+        inner = self._inner_for(Z)
+        out, lse = inner.forward(q, k, v, cu_seqlens=cu_seqlens)
+        out = ex.to_tokens(host.out(out), qs, Z)
+        lse = ex.to_tokens(np.ascontiguousarray(host.out(lse).transpose(0, 2, 1)), qs, Z).transpose(0, 2, 1)
+        return host.back(out), host.back(np.ascontiguousarray(lse)), self._stats(inner.last_stats.forward, ex)
+
+    def backward(self, h, dims, cu_seqlens, xp):
+        """``(dq, dk, dv, stats, mode)`` of checked and agreed arrays ``h``."""
+        self._setup()
+        B, C, Z, Zkv, d, dv = dims
+        ex = self._exchange_for(self.plan.layout)
+        ex.bytes_sent = 0
+        qs, kvs = self._slices(Z, Zkv)
+        host = _Staging(xp)
+        sl = {"dout": qs, "q": qs, "out": qs, "k": kvs, "v": kvs}
+        a = {n: host.back(ex.to_heads(host.out(h[n]), s)) for n, s in sl.items()}
+        lse = ex.to_heads(np.ascontiguousarray(host.out(h["lse"]).transpose(0, 2, 1)), qs)
+        a["lse"] = host.back(np.ascontiguousarray(lse.transpose(0, 2, 1)))
+        inner = self._inner_for(Z)
+        replicated = Zkv % self.u != 0
+        inner.kv_grads_accumulated = replicated  # the replicas' shares are summed unrounded
+        dq, dk, dvv = inner.backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], cu_seqlens=cu_seqlens)
+        dq = ex.to_tokens(host.out(dq), qs, Z)
+        dk, dvv = (ex.to_tokens(host.out(x), kvs, Zkv, add=replicated).astype(h["k"].dtype, copy=False)
+                   for x in (dk, dvv))
+        st = inner.last_stats
+        return host.back(dq), host.back(dk), host.back(dvv), self._stats(st.backward, ex), st.bwd_mode
+
+    @property
+    def topology(self):
+        """The ring the groups ran (``last_stats.topology`` of the ring's plan)."""
+        return self._inner.last_stats.topology
+
+    @property
+    def buffer_bytes(self):
+        """The ring's buffers (the all-to-all's are the call's temporaries)."""
+        return 0 if self._inner is None else self._inner.buffer_bytes
+
+    def release(self):
+        if self._inner is not None:
+            self._inner.release()
+
+    @staticmethod
+    def _stats(st, ex):
+        """The ring's stats over the groups, with the all-to-all's bytes added (sent inside
+        the node: never inter-node)."""
+        st.bytes_sent += ex.bytes_sent
+        return st
+
+
+class _Staging:
+    """Host copies of GPU arrays for the all-to-all, and back (``xp``: the arrays' module)."""
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def out(self, x):
+        return x if self.xp is np else self.xp.asnumpy(x)
+
+    def back(self, x):
+        return x if self.xp is np else self.xp.asarray(x)

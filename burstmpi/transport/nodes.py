@@ -1,0 +1,90 @@
+"""Which ranks share a node: the topology the ring's traffic is counted (and routed) by.
+
+A node is the set of ranks that MPI's shared-memory split puts together
+(``MPI.COMM_TYPE_SHARED``, under MPICH and Open MPI alike), unless
+``BURSTMPI_RANKS_PER_NODE=g`` says otherwise: then consecutive blocks of g ranks form a
+node (the last one shorter when g does not divide the ranks). The override lets one
+machine play a cluster: 8 ranks as 4 "nodes" of 2 in tests, CI and the bench.
+
+This is the logical topology. What a process can physically share (a shared-memory
+window, the cores its threads use, which GPU it picks) still follows the real node.
+"""
+
+from mpi4py import MPI
+
+from ..config import settings
+
+__all__ = ["Nodes", "nodes"]
+
+
+class Nodes:
+    """The node of every rank of a communicator. ``node_of[r]``: the node index of rank r,
+    nodes numbered in the order of their lowest rank; ``members[n]``: node n's ranks in
+    increasing order."""
+
+    def __init__(self, node_of, rank=0):
+        self.node_of = tuple(int(n) for n in node_of)
+        count = max(self.node_of, default=-1) + 1
+        self.members = tuple(tuple(r for r, n in enumerate(self.node_of) if n == i) for i in range(count))
+        self.rank = rank
+
+    @classmethod
+    def blocks(cls, nranks, per_node, rank=0):
+        """Consecutive blocks of ``per_node`` ranks (``BURSTMPI_RANKS_PER_NODE``)."""
+        return cls([r // per_node for r in range(nranks)], rank)
+
+    @property
+    def count(self):
+        """How many nodes."""
+        return len(self.members)
+
+    @property
+    def node(self):
+        """This rank's node."""
+        return self.node_of[self.rank]
+
+    @property
+    def local_rank(self):
+        """This rank's index among the ranks of its node."""
+        return self.members[self.node].index(self.rank)
+
+    @property
+    def equal(self):
+        """Do all nodes hold as many ranks?"""
+        return len({len(m) for m in self.members}) <= 1
+
+    def remote(self, a, b):
+        """Are ranks ``a`` and ``b`` on different nodes?"""
+        return self.node_of[a] != self.node_of[b]
+
+    def internode(self, bytes_to, rank=None):
+        """Bytes of ``bytes_to`` ({destination rank: bytes}, a channel's counts) that left
+        the node of ``rank`` (default this rank)."""
+        me = self.rank if rank is None else rank
+        return sum(n for dest, n in bytes_to.items() if self.remote(me, dest))
+
+    def describe(self):
+        """``4 nodes x 2 ranks`` (or the sizes, when they differ)."""
+        sizes = sorted({len(m) for m in self.members})
+        if len(sizes) == 1:
+            return f"{self.count} node{'s' if self.count != 1 else ''} x {sizes[0]} rank{'s' if sizes[0] != 1 else ''}"
+        return f"{self.count} nodes of " + ", ".join(str(len(m)) for m in self.members) + " ranks"
+
+    def __repr__(self):
+        return f"Nodes({self.describe()})"
+
+
+def nodes(comm):
+    """The ``Nodes`` of ``comm`` (collective): ``BURSTMPI_RANKS_PER_NODE`` if set, else the
+    shared-memory split."""
+    per_node = settings().ranks_per_node
+    if per_node:
+        return Nodes.blocks(comm.Get_size(), per_node, comm.Get_rank())
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        lowest = node.allreduce(comm.Get_rank(), op=MPI.MIN)  # the node's lowest rank names it
+    finally:
+        node.Free()
+    leaders = comm.allgather(lowest)
+    order = {r: i for i, r in enumerate(sorted(set(leaders)))}
+    return Nodes([order[r] for r in leaders], comm.Get_rank())

@@ -1,0 +1,299 @@
+"""The two-level ring: inner rings inside nodes, an outer ring between them
+(``BurstAttention(topology="two-level")``).
+
+Ranks (n, i) are local rank i of node n (``transport.nodes``: N nodes of g ranks each). A
+phase runs N cycles of g steps. In cycle o rank (n, i) holds, at step s, the block of rank
+(n - o, i - s): the cycle's *seed* B(n - o, i) came over the network, and the inner ring
+passes it and its node-mates' seeds around the node, one hop a step. While a cycle's g
+steps run, the outer ring moves the next seed, B(n - o - 1, i), from (n - 1, i): posted
+at the start of the cycle, waited for at its end, so one network transfer hides behind g
+steps of compute, and every rank's network link works at once. Per phase each rank sends
+N - 1 blocks across the network, where a flat ring sends P - 1 through the busiest link.
+
+Every rank still meets every block exactly once (cycle o, step s gives node n - o, rank
+i - s: all N x g pairs), so the forward's online softmax and the gradients are the flat
+ring's, merged in another fixed order: results are bitwise deterministic, and accumulate
+in float32 (float64 for float64 inputs) as there.
+
+The backward circulates K and V (``bwd_comm="ring"``'s choice of what travels) with their
+dK/dV partials: a partial follows its block around one node's inner ring, gathering that
+node's contributions, and goes home from the loop's last holder straight to the block's
+owner. The owner adds the partial of cycle o after cycle o + 1 (the last one after the
+phase), so the home transfer hides behind a cycle of compute too.
+
+Inner and outer transfers use communicators of their own (split from the plan's), so
+they match only among themselves; the home partials use the plan's. Packets carry a
+rank's whole block (no shrinking, as the flat ring does for masks), and steps with no
+visible pair skip their compute, not their transfer. Host arrays, MPI transports.
+"""
+
+import time
+
+import numpy as np
+
+from .config import settings
+from .ring import (Timer, _rows, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces,
+                   key_operands, packet_fields)
+from .transport.comm import Channel, MPITransport, Packet
+from .transport.nodes import Nodes
+from .transport.slowlinks import SlowLinksTransport
+
+__all__ = ["check_two_level", "block_owner", "forward", "backward"]
+
+TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME = 41, 42, 43, 44
+
+
+def check_two_level(fn, nodes, kind):
+    """Raise ValueError naming ``topology`` where these nodes (or arrays of ``kind``) cannot
+    run two rings."""
+    if kind == "cuda":
+        raise ValueError(f"{fn}: topology: 'two-level' runs on host arrays for now (its GPU rings over NCCL "
+                         "are not built); use 'flat' or 'auto' with GPU arrays")
+    if not nodes.equal:
+        raise ValueError(f"{fn}: topology: 'two-level' needs nodes of equal size, got {nodes.describe()} "
+                         "(BURSTMPI_RANKS_PER_NODE sets the node size)")
+
+
+class _Rings:
+    """The inner and outer communicators and their transports (split once per plan)."""
+
+    def __init__(self, plan):
+        nodes, comm = plan.runtime.nodes, plan.comm
+        self.node, self.local = nodes.node, nodes.local_rank
+        self.N, self.g = nodes.count, len(nodes.members[0])
+        self.members = nodes.members
+        self.inner = comm.Split(self.node, self.local)
+        self.outer = comm.Split(self.local, self.node)
+        gbps = settings().internode_gbps
+        self.t_inner = MPITransport(self.inner)
+        self.t_outer = (SlowLinksTransport(self.outer, Nodes(range(self.N), self.node), gbps) if gbps
+                        else MPITransport(self.outer))
+        for t in (self.t_inner, self.t_outer):
+            t.idle = plan.transport.idle
+
+    def owner(self, o, s):
+        """The world rank whose block this rank holds at cycle o, step s."""
+        return block_owner(self.members, self.node, self.local, o, s)
+
+    def channel(self, transport, fields, size, me, tag, alloc):
+        return Channel(transport, fields, send_to=(me + 1) % size, recv_from=(me - 1) % size, tag=tag,
+                       alloc=alloc, single=size == 1)
+
+
+def block_owner(members, node, local, o, s):
+    """The rank whose block local rank ``local`` of node ``node`` holds at cycle o, step s
+    (``members``: ``Nodes.members``, equal nodes)."""
+    return members[(node - o) % len(members)][(local - s) % len(members[0])]
+
+
+def _rings(plan):
+    rings = getattr(plan, "_rings", None)
+    if rings is None:
+        rings = plan._rings = _Rings(plan)  # collective: every rank's first two-level call
+    return rings
+
+
+def _seed(inner, outer, n):
+    """Copy the cycle's seed (the outer ring's current packet, ``n`` rows) into the inner
+    ring's own packet, which the inner ring sends on."""
+    src = outer.current
+    for name, view in inner.fill(n).items():
+        view[...] = src[name]
+
+
+def _steps(r, count, inner, outer, timer):
+    """Yield (o, s, owner, packet views) for every step, posting and waiting the inner and
+    outer transfers around them (``count``: rows of a rank's block)."""
+    for o in range(r.N):
+        seed = r.owner(o, 0)
+        if o < r.N - 1:
+            outer.post(send=True, recv=True, send_rows=count(seed), recv_rows=count(r.owner(o + 1, 0)))
+        _seed(inner, outer, count(seed))
+        for s in range(r.g):
+            w = r.owner(o, s)
+            if s < r.g - 1:
+                inner.post(send=True, recv=True, send_rows=count(w), recv_rows=count(r.owner(o, s + 1)))
+            yield o, s, w, inner.current
+            if s < r.g - 1:
+                timer.run("wait", inner.wait)
+        if o < r.N - 1:
+            timer.run("wait", outer.wait)
+
+
+def _channels(plan, r, fields, be):
+    inner = r.channel(r.t_inner, fields, r.g, r.local, TAG_INNER, be.alloc)
+    outer = r.channel(r.t_outer, fields, r.N, r.node, TAG_OUTER, be.alloc)
+    return inner, outer
+
+
+def _stats(plan, r, sent_inner, sent_outer, sent_home, owners, pairs, timer, t_start):
+    from .plan import PhaseStats
+    home_inter = sum(n for dest, n in sent_home.items() if plan.runtime.nodes.remote(plan.rank, dest))
+    total = sent_inner + sent_outer + sum(sent_home.values())
+    computed = len(set(owners))
+    return PhaseStats(bytes_sent=total, bytes_internode=sent_outer + home_inter, steps_computed=computed,
+                      steps_skipped=plan.nranks - computed, pairs=int(pairs), direction=1,
+                      wall_s=time.perf_counter() - t_start, compute_s=timer.compute, wait_s=timer.wait)
+
+
+def forward(plan, q, k, v, dims):
+    """Return (out, lse, stats) for this rank's q, k, v."""
+    be, geo = plan.backend, plan.geometry
+    B, C, Z, Zkv, d, dv = dims
+    acc = be.acc_dtype(q.dtype)
+    r = _rings(plan)
+    lay = geo.layout
+    packet, _ = packet_fields("forward", (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
+    inner, outer = _channels(plan, r, packet, be)
+    timer, t_start = Timer(), time.perf_counter()
+    home = key_operands(k, v)
+    for name, view in outer.fill(C).items():
+        view[...] = home[name]
+    q_rows = _rows(q, Zkv)
+    state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
+    qb = geo.block("q", plan.rank)
+    owners = []
+    poll = lambda: any([inner.progress(), outer.progress()])
+    for o, s, w, views in _steps(r, lay.count, inner, outer, timer):
+        if geo.pairs(plan.rank, w) == 0:
+            continue
+        owners.append(w)
+        timer.run("compute", fwd_pieces, be, q_rows, views["k"], views["v"], state,
+                  geo.pieces(qb, geo.block("k", w)), plan.scale, poll=poll)
+    out, lse = finish_forward(be, state, q.dtype, dims)
+    pairs = sum(geo.pairs(plan.rank, w) for w in owners)
+    return out, lse, _stats(plan, r, inner.bytes_sent, outer.bytes_sent, {}, owners, pairs, timer, t_start)
+
+
+class _Home:
+    """Partials going home across the plan's communicator: this rank's sends (two buffers,
+    each reused once its last send is done) and the receives of its own block's partials
+    (two buffers: cycle o's lands while cycle o - 1's waits to be added)."""
+
+    def __init__(self, transport, fields, alloc):
+        self.t = transport
+        self.send = [Packet(fields, alloc) for _ in range(2)]
+        self.recv = [Packet(fields, alloc) for _ in range(2)]
+        self.sreq, self.rreq = [None, None], [None, None]
+        self.next = 0
+        self.sent = {}
+
+    def buffer(self, rows):
+        """Zeroed views of the next send buffer (its last send waited for)."""
+        i = self.next
+        if self.sreq[i] is not None:
+            self.t.wait([self.sreq[i]])
+            self.sreq[i] = None
+        self.send[i].message(rows).fill(0)
+        return self.send[i].views(rows)
+
+    def post_send(self, dest, rows):
+        i = self.next
+        out = self.send[i].message(rows)
+        self.sreq[i] = self.t.isend(out, dest, TAG_HOME)
+        self.sent[dest] = self.sent.get(dest, 0) + out.nbytes
+        self.next = 1 - i
+
+    def post_recv(self, slot, source, rows):
+        self.rreq[slot] = (self.t.irecv(self.recv[slot].message(rows), source, TAG_HOME), rows)
+
+    def received(self, slot):
+        req, rows = self.rreq[slot]
+        self.t.wait([req])
+        self.rreq[slot] = None
+        return self.recv[slot].views(rows)
+
+    def pending(self):
+        return [x for x in self.sreq if x is not None] + [x[0] for x in self.rreq if x is not None]
+
+    def drain(self):
+        reqs = [x for x in self.sreq if x is not None]
+        if reqs:
+            self.t.wait(reqs)
+        self.sreq = [None, None]
+
+
+def backward(plan, dout, q, k, v, out, lse, dims):
+    """Return (dq, dk, dv, stats): K, V and their dK/dV partials on the two rings."""
+    be, geo = plan.backend, plan.geometry
+    B, C, Z, Zkv, d, dv = dims
+    acc = be.acc_dtype(q.dtype)
+    r = _rings(plan)
+    lay = geo.layout
+    count = lay.count
+    packet, partial = packet_fields("ring", (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
+    inner, outer = _channels(plan, r, packet, be)
+    # A partial passes to the next rank of the node with its block (inner), or goes home.
+    ipart = [Packet(partial, be.alloc) for _ in range(2)]
+    incoming = Packet(partial, be.alloc)  # the previous rank's partial of the block in hand
+    home = _Home(plan.transport, partial, be.alloc)
+    timer, t_start = Timer(), time.perf_counter()
+    home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
+    for name, view in outer.fill(C).items():
+        view[...] = home_k[name]
+    qb = geo.block("q", plan.rank)
+    me = plan.rank
+    # Cycle o's partial of our block comes home from the last holder of its loop in node
+    # n + o (none at cycle 0 when a node has one rank: we held it alone).
+    has_home = [o > 0 or r.g > 1 for o in range(r.N)]
+    last_holder = lambda o: r.members[(r.node + o) % r.N][(r.local - 1) % r.g]
+    pend = []  # (slot) of home partials received, to add one cycle later
+    owners, ipart_req, ipart_recv, inner_sent = [], [None, None], None, 0
+    poll = lambda: any([inner.progress(), outer.progress(), bool(home.pending()) and not
+                        plan.transport.progress(home.pending())])
+    pb_index = 0
+    for o, s, w, views in _steps(r, count, inner, outer, timer):
+        if s == 0:
+            while pend and len(pend) >= 2:  # the older of the two landing buffers: add it now
+                _add(timer, home, grads, pend.pop(0))
+            if has_home[o]:
+                home.post_recv(o % 2, last_holder(o), C)
+                pend.append(o % 2)
+        own = o == 0 and s == 0  # our own block: straight into our accumulators
+        rows = count(w)
+        if s >= 1 and not (o == 0 and s == 1):  # the previous holder made a partial of it
+            ipart_recv = r.t_inner.irecv(incoming.message(rows), (r.local - 1) % r.g, TAG_PARTIAL)
+        if own:
+            target = grads
+        else:
+            buf = ipart[pb_index]
+            if ipart_req[pb_index] is not None:  # its last send is done before it is reused
+                timer.run("wait", r.t_inner.wait, [ipart_req[pb_index]])
+                ipart_req[pb_index] = None
+            buf.message(rows).fill(0)
+            pv = buf.views(rows)
+            target = {"dq": grads["dq"], "dk": pv["dk"], "dv": pv["dv"]}
+        if geo.pairs(me, w):
+            owners.append(w)
+            timer.run("compute", bwd_pieces, be, home_q["q"], home_q["do"], home_q["D"], home_q["lse"],
+                      views["k"], views["v"], target["dq"], target["dk"], target["dv"],
+                      geo.pieces(qb, geo.block("k", w)), plan.scale, poll=poll)
+        if own:
+            continue
+        if ipart_recv is not None:  # the previous holder's partial of this block: added after ours
+            timer.run("wait", r.t_inner.wait, [ipart_recv])
+            for name, view in incoming.views(rows).items():
+                pv[name] += view
+            ipart_recv = None
+        if s < r.g - 1:  # on to the next rank of the node, with the block
+            msg = buf.message(rows)
+            ipart_req[pb_index] = r.t_inner.isend(msg, (r.local + 1) % r.g, TAG_PARTIAL)
+            inner_sent += msg.nbytes
+        else:  # the loop is done: home to the owner
+            for name, view in home.buffer(rows).items():
+                view[...] = pv[name]
+            home.post_send(w, rows)
+        pb_index = 1 - pb_index
+    timer.run("wait", r.t_inner.wait, [x for x in ipart_req if x is not None])
+    timer.run("wait", home.drain)
+    for p in pend:
+        _add(timer, home, grads, p)
+    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
+    pairs = sum(geo.pairs(me, w) for w in owners)
+    st = _stats(plan, r, inner.bytes_sent + inner_sent, outer.bytes_sent, home.sent, owners, pairs, timer, t_start)
+    return dq, dk, dvv, st
+
+
+def _add(timer, home, grads, slot):
+    for name, view in timer.run("wait", home.received, slot).items():
+        grads[name][...] += view

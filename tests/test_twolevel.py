@@ -1,0 +1,143 @@
+"""The two-level ring (``BurstAttention(topology="two-level")``, ``burstmpi.twolevel``):
+results against float64 for every layout, dtype, GQA/MQA, masks and documents, on fake
+nodes of every size that divides the ranks (BURSTMPI_RANKS_PER_NODE: one-rank nodes, one
+node, and all between); its schedule; its bytes across nodes; what "auto" picks; bad
+combinations refused on every rank. Runs alone and under mpiexec (tests/test_mpi.py)."""
+
+import numpy as np
+import pytest
+
+import burstmpi
+import kernel_harness as kh
+from burstmpi import reference as ref
+from burstmpi.masks import BlockSparse, Causal, Chunked, PerHead, Sinks, Window
+from burstmpi.transport.nodes import Nodes
+from burstmpi.twolevel import block_owner
+from conftest import COMM, NRANKS, check_against_float64, needs_ranks, random_docs
+
+SIZES = [g for g in range(1, NRANKS + 1) if NRANKS % g == 0]  # node sizes that divide the ranks
+SPREAD = [g for g in SIZES if 1 < g < NRANKS]  # several nodes of several ranks
+
+
+@pytest.fixture
+def per_node(monkeypatch):
+    def set_size(g):
+        monkeypatch.setenv("BURSTMPI_RANKS_PER_NODE", str(g))
+    return set_size
+
+
+@pytest.mark.parametrize("P,g", [(8, 2), (8, 4), (6, 3), (5, 1), (4, 4), (1, 1)])
+def test_every_rank_meets_every_block_once_in_order(P, g):
+    """Cycle o, step s: node n - o, rank i - s. Every rank sees all P blocks once; within a
+    cycle the blocks are one node's (one network transfer a cycle brings them); and the
+    holder of a block at step s + 1 is the next rank of the node (the inner ring's hop)."""
+    nodes = Nodes.blocks(P, g)
+    N = nodes.count
+    for n in range(N):
+        for i in range(g):
+            seen = [block_owner(nodes.members, n, i, o, s) for o in range(N) for s in range(g)]
+            assert sorted(seen) == list(range(P))
+            for o in range(N):
+                assert {nodes.node_of[block_owner(nodes.members, n, i, o, s)] for s in range(g)} == {(n - o) % N}
+                for s in range(g - 1):
+                    nxt = nodes.members[n][(i + 1) % g]
+                    assert block_owner(nodes.members, n, (i + 1) % g, o, s + 1) == block_owner(nodes.members, n, i, o, s), nxt
+
+
+CASES = [  # (layout, dtype, heads, kv heads, causal, window)
+    ("zigzag", "float32", 4, 2, True, None),
+    ("contiguous", "float16", 4, 1, True, None),
+    ("striped", "bfloat16", 2, 2, False, (5, 3)),
+    ("zigzag", "float64", 6, 3, False, None),
+]
+
+
+@pytest.mark.parametrize("layout,dtype,Z,Zkv,causal,window", CASES)
+def test_two_level_against_float64(per_node, layout, dtype, Z, Zkv, causal, window):
+    for g in SIZES:
+        per_node(g)
+        plan, _ = check_against_float64(N=9 * NRANKS + 4, Z=Z, Zkv=Zkv, d=16, dtype=dtype, causal=causal,
+                                        window=window, layout=layout, topology="two-level", bwd_comm="ring", tag="two-level ")
+        st = plan.last_stats
+        assert st.topology == "two-level" and st.bwd_mode == "ring"
+        assert st.forward.steps_computed + st.forward.steps_skipped == NRANKS
+
+
+@pytest.mark.parametrize("name", ["per-head", "blocks", "sinks|window", "chunked", "docs"])
+def test_two_level_with_masks_and_documents(per_node, name):
+    N = 11 * NRANKS + 3
+    nb = -(-N // 8)
+    masks = {"per-head": PerHead([Causal(), Window(4, 0), Sinks(2) | Window(3, 0), Chunked(5)]),
+             "blocks": BlockSparse(np.random.default_rng(1).random((nb, nb)) < 0.3, 8) & Causal(),
+             "sinks|window": Sinks(2) | Window(6, 0), "chunked": Chunked(7) & Causal(), "docs": None}
+    for g in SPREAD or SIZES:
+        per_node(g)
+        check_against_float64(N=N, Z=4, Zkv=2, d=16, layout="zigzag", causal=name == "docs", mask=masks[name],
+                              cu_seqlens=random_docs(N, seed=g) if name in ("docs", "chunked") else None,
+                              topology="two-level", bwd_comm="ring", tag="two-level mask ")
+
+
+pytest_kernels = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return kh.library_on_every_rank(COMM, [("float32", 32, 32)])
+
+
+@pytest_kernels
+def test_two_level_on_emulated_kernels(per_node, lib):
+    per_node((SPREAD or SIZES)[0])
+    be = kh.EmulatedBackend(lib)
+    plan, _ = check_against_float64(N=7 * NRANKS + 2, Z=4, Zkv=2, d=32, causal=True, layout="zigzag", backend=be,
+                                    topology="two-level", bwd_comm="ring", tag="kernels two-level ")
+    assert plan.backend is be
+
+
+@pytest.mark.skipif(not SPREAD, reason="needs a rank count with a divisor g, 1 < g < P")
+def test_bytes_across_nodes_fall_to_one_block_per_node(per_node):
+    """Dense attention, no step skipped: the flat ring's busiest rank sends P - 1 blocks
+    across nodes, the two-level ring's every rank N - 1, the outer ring's one a cycle."""
+    g = SPREAD[0]
+    per_node(g)
+    N = 8 * NRANKS
+    q, k, v, do = ref.random_problem(1, N, 2, 2, 16, seed=3)
+    sh = burstmpi.shard
+    busiest = lambda st: COMM.allreduce(st.bytes_internode, op=max)
+    block = 2 * 8 * 2 * 16 * 4  # K and V of a rank's 8 tokens
+    flat = burstmpi.BurstAttention(bwd_comm="ring")
+    two = burstmpi.BurstAttention(topology="two-level")
+    for plan in (flat, two):
+        out, lse = plan.forward(sh(q), sh(k), sh(v))
+        plan.backward(sh(do), sh(q), sh(k), sh(v), out, lse)
+    assert busiest(flat.last_stats.forward) == (NRANKS - 1) * block
+    assert two.last_stats.forward.bytes_internode == (NRANKS // g - 1) * block  # on every rank
+    # backward: K/V blocks, plus one partial (dK, dV in float32: as many bytes here) home a cycle
+    assert two.last_stats.backward.bytes_internode == 2 * (NRANKS // g - 1) * block
+
+
+@needs_ranks(2)
+def test_auto_picks_two_level_only_across_equal_nodes(per_node):
+    q, k, v, _ = ref.random_problem(1, 4 * NRANKS, 2, 2, 8, seed=2)
+    for g, want in [(NRANKS, "flat"), (1, "flat")] + [(g, "two-level") for g in SPREAD[:1]]:
+        per_node(g)
+        plan = burstmpi.BurstAttention(topology="auto")
+        plan.forward(burstmpi.shard(q), burstmpi.shard(k), burstmpi.shard(v))
+        assert plan.last_stats.topology == want, g
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(topology="ring"), "topology: expected one of"),
+    (dict(topology="two-level", bwd_comm="burst"), "the two-level ring's backward circulates K/V"),
+])
+def test_bad_topology_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        burstmpi.BurstAttention(**kwargs)
+
+
+@needs_ranks(3)
+def test_unequal_nodes_raise_on_every_rank(per_node):
+    per_node(2) if NRANKS % 2 else per_node(NRANKS - 1)
+    q, k, v, _ = ref.random_problem(1, 4 * NRANKS, 2, 2, 8, seed=2)
+    with pytest.raises(ValueError, match="'two-level' needs nodes of equal size"):
+        burstmpi.BurstAttention(topology="two-level").forward(burstmpi.shard(q), burstmpi.shard(k), burstmpi.shard(v))
