@@ -7,8 +7,10 @@ the performance model's figures): a message from another node is not complete be
 its bytes could have crossed such a link. Each rank's inbound link carries one message at
 a time (a message waits for the ones posted before it), so a rank receiving from several
 nodes pays for all of them, as a NIC would. Transfers inside a node run at the machine's
-own speed. Host buffers over MPI only: the shared-memory transport reads packets in
-place and is not used while the setting is on.
+own speed. The link is the rank's: the transfers of every plan and communicator of a
+process (the two-level ring's outer ring and its partials going home) queue on it. Host
+buffers over MPI only: the shared-memory transport reads packets in place and is not used
+while the setting is on.
 
 It models the bandwidth, not the latency, of the network, and it only delays: where the
 machine's own transfers are slower than X, they stay as slow.
@@ -21,6 +23,10 @@ from mpi4py import MPI
 from .comm import MPITransport, complete
 
 __all__ = ["SlowLinksTransport"]
+
+# When this process's inbound network link has carried what it was given: one link per
+# rank (a process), shared by every transport of every plan and communicator of it.
+_link_free = [0.0]
 
 
 class _Due:
@@ -38,15 +44,14 @@ class SlowLinksTransport(MPITransport):
     def __init__(self, comm, nodes, gbps):
         super().__init__(comm)
         self.nodes, self.rate = nodes, float(gbps) * 1e9
-        self._free = 0.0  # when this rank's inbound link has carried what it was given
 
     def irecv(self, buf, source, tag):
         request = super().irecv(buf, source, tag)
         if not self.nodes.remote(self.comm.Get_rank(), source):
             return request
-        start = max(time.perf_counter(), self._free)
-        self._free = start + buf.nbytes / self.rate
-        return _Due(request, self._free)
+        start = max(time.perf_counter(), _link_free[0])
+        _link_free[0] = start + buf.nbytes / self.rate
+        return _Due(request, _link_free[0])
 
     @staticmethod
     def _split(requests):
