@@ -44,30 +44,24 @@ import os
 __all__ = ["Settings", "settings"]
 
 
+def _number(name, default, kind, minimum):
+    """``BURSTMPI_*`` variable ``name`` as ``kind`` (int or float), at least ``minimum`` and
+    finite; ``default`` when unset or empty."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    what = "an integer" if kind is int else "a finite number"
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: expected {what}, got {raw!r}") from None
+    if not (minimum <= value < float("inf")):
+        raise ValueError(f"environment variable {name}: expected {what} >= {minimum}, got {raw}")
+    return value
+
+
 def _int(name, default, minimum=1):
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}: expected an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ValueError(f"environment variable {name}: expected an integer >= {minimum}, got {value}")
-    return value
-
-
-def _float(name, default):
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}: expected a number, got {raw!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"environment variable {name}: expected a finite number >= 0, got {raw!r}")
-    return value
+    return _number(name, default, int, minimum)
 
 
 def _choice(name, default, choices):
@@ -91,7 +85,7 @@ class Settings:
         self.cuda_aware_mpi = _int("BURSTMPI_CUDA_AWARE_MPI", 0, minimum=0) != 0
         self.nccl_timeout = float(_int("BURSTMPI_NCCL_TIMEOUT", 300))
         self.ranks_per_node = _int("BURSTMPI_RANKS_PER_NODE", 0, minimum=0)
-        self.internode_gbps = _float("BURSTMPI_INTERNODE_GBPS", 0.0)
+        self.internode_gbps = _number("BURSTMPI_INTERNODE_GBPS", 0.0, float, 0)
 
 
 def settings():

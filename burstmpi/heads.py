@@ -105,33 +105,32 @@ class HeadParallel:
     def _slices(self, heads, kv_heads):
         return head_slices(self.u, heads, kv_heads)
 
-    def forward(self, h, dims, cu_seqlens, xp):
-        """``(out, lse, stats)`` of checked and agreed arrays ``h`` (q, k, v)."""
+    def _begin(self, dims, xp):
+        """A call's exchange (its byte count reset), head slices and host staging."""
         self._setup()
-        B, C, Z, Zkv, d, dv = dims
+        Z, Zkv = dims[2], dims[3]
         ex = self._exchange_for(self.plan.layout)
         ex.bytes_sent = 0
-        qs, kvs = self._slices(Z, Zkv)
-        host = _Staging(xp)
+        return ex, self._slices(Z, Zkv), _Staging(xp)
+
+    def forward(self, h, dims, cu_seqlens, xp):
+        """``(out, lse, stats)`` of checked and agreed arrays ``h`` (q, k, v)."""
+        Z = dims[2]
+        ex, (qs, kvs), host = self._begin(dims, xp)
         q, k, v = (host.back(ex.to_heads(host.out(h[n]), s)) for n, s in (("q", qs), ("k", kvs), ("v", kvs)))
         inner = self._inner_for(Z)
         out, lse = inner.forward(q, k, v, cu_seqlens=cu_seqlens)
         out = ex.to_tokens(host.out(out), qs, Z)
-        lse = ex.to_tokens(np.ascontiguousarray(host.out(lse).transpose(0, 2, 1)), qs, Z).transpose(0, 2, 1)
-        return host.back(out), host.back(np.ascontiguousarray(lse)), self._stats(inner.last_stats.forward, ex)
+        lse = _rows_last(ex.to_tokens(_rows_last(host.out(lse)), qs, Z))  # (B, heads, C): tokens on axis 1 there
+        return host.back(out), host.back(lse), self._stats(inner.last_stats.forward, ex)
 
     def backward(self, h, dims, cu_seqlens, xp):
         """``(dq, dk, dv, stats, mode)`` of checked and agreed arrays ``h``."""
-        self._setup()
-        B, C, Z, Zkv, d, dv = dims
-        ex = self._exchange_for(self.plan.layout)
-        ex.bytes_sent = 0
-        qs, kvs = self._slices(Z, Zkv)
-        host = _Staging(xp)
+        Z, Zkv = dims[2], dims[3]
+        ex, (qs, kvs), host = self._begin(dims, xp)
         sl = {"dout": qs, "q": qs, "out": qs, "k": kvs, "v": kvs}
         a = {n: host.back(ex.to_heads(host.out(h[n]), s)) for n, s in sl.items()}
-        lse = ex.to_heads(np.ascontiguousarray(host.out(h["lse"]).transpose(0, 2, 1)), qs)
-        a["lse"] = host.back(np.ascontiguousarray(lse.transpose(0, 2, 1)))
+        a["lse"] = host.back(_rows_last(ex.to_heads(_rows_last(host.out(h["lse"])), qs)))
         inner = self._inner_for(Z)
         replicated = Zkv % self.u != 0
         inner.kv_grads_accumulated = replicated  # the replicas' shares are summed unrounded
@@ -162,6 +161,12 @@ class HeadParallel:
         the node: never inter-node)."""
         st.bytes_sent += ex.bytes_sent
         return st
+
+
+def _rows_last(lse):
+    """(B, heads, C) <-> (B, C, heads), contiguous: lse with its tokens where the exchange
+    wants them (axis 1), and back."""
+    return np.ascontiguousarray(lse.transpose(0, 2, 1))
 
 
 class _Staging:
