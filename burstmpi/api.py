@@ -14,7 +14,8 @@ __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None,
-              layout="contiguous", cu_seqlens=None, return_lse=False, mask=None, head_parallel=1):
+              layout="contiguous", cu_seqlens=None, return_lse=False, mask=None, head_parallel=1,
+              topology="flat"):
     """Exact softmax attention over a sequence spread across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own part of the sequence.
@@ -53,6 +54,9 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     head_parallel : int, default 1
         Groups of this many consecutive ranks of one node share the heads, and the ring
         runs over the groups (``burstmpi.heads``); the arrays in and out are unchanged.
+    topology : {"flat", "two-level", "auto"}
+        One ring, or a ring in each node and one between nodes (``burstmpi.twolevel``; see
+        ``BurstAttention``).
 
     Returns
     -------
@@ -61,24 +65,25 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
         only with ``return_lse``. Rows that see no key give ``out = 0`` and ``lse = -inf``.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout, mask=mask, head_parallel=head_parallel)
+                          layout=layout, mask=mask, head_parallel=head_parallel, topology=topology)
     out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, window=None,
                        softmax_scale=None, layout="contiguous", cu_seqlens=None, bwd_comm="auto", mask=None,
-                       head_parallel=1):
+                       head_parallel=1, topology="flat"):
     """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to this rank's q, k, v.
 
     ``out`` and ``lse`` are the forward's results (``return_lse=True``); the other
-    arguments (``cu_seqlens``, ``mask`` and ``head_parallel`` included) must match the forward call. ``bwd_comm`` chooses
+    arguments (``cu_seqlens``, ``mask``, ``head_parallel`` and ``topology`` included) must match the forward call. ``bwd_comm`` chooses
     what circulates: "burst" (Q, dO, dQ), "ring" (K, V, dK, dV) or "auto" (fewer bytes).
     Gradients are accumulated in float32 (float64 for float64 inputs) across every ring
     step and returned in the dtype and kind of the inputs.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout, bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel)
+                          layout=layout, bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel,
+                          topology=topology)
     return plan.backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens)
 
 

@@ -21,9 +21,10 @@ import numpy as np
 
 from .masks import head_slice
 from .transport.alltoall import HeadExchange
+from .transport.comm import split_once
 from .transport.nodes import Nodes
 
-__all__ = ["HeadParallel", "check_head_parallel"]
+__all__ = ["HeadParallel", "check_head_parallel", "member_heads"]
 
 
 def check_head_parallel(fn, u, nranks, nodes, heads, kv_heads):
@@ -44,7 +45,7 @@ def check_head_parallel(fn, u, nranks, nodes, heads, kv_heads):
                          "them (each member's query heads then share one replicated K/V head)")
 
 
-def head_slices(u, heads, kv_heads):
+def member_heads(u, heads, kv_heads):
     """Per member: the slice of query heads it serves and the slice of K/V heads they use."""
     q = [slice(i * heads // u, (i + 1) * heads // u) for i in range(u)]
     if kv_heads % u == 0:
@@ -63,7 +64,7 @@ class HeadParallel:
         self.plan, self.u = plan, int(u)
         self._comms = None   # (group comm, ring comm), split once
         self._inner = None   # the BurstAttention over the ring of groups
-        self._exchange = {}  # layout -> HeadExchange
+        self._exchange = None  # (layout, HeadExchange) of the last call
 
     def _setup(self):
         """Split the plan's communicator (collective, first call) and build the ring's plan."""
@@ -73,8 +74,8 @@ class HeadParallel:
             return
         plan, u = self.plan, self.u
         comm, rank = plan.comm, plan.rank
-        group = comm.Split(rank // u, rank % u)  # the members of my group, in order
-        ring = comm.Split(rank % u, rank // u)   # the members of my index, group by group
+        # The members of my group, in order; the members of my index, group by group.
+        group, ring = split_once(comm, ("head_parallel", u), [(rank // u, rank % u), (rank % u, rank // u)])
         self._comms = (group, ring)
         rt = plan.runtime
         inner = BurstAttention(ring, causal=plan.causal, window=plan.window_arg, softmax_scale=plan.softmax_scale,
@@ -88,22 +89,40 @@ class HeadParallel:
         self._inner = inner
 
     def _exchange_for(self, layout):
-        ex = self._exchange.get(id(layout))
-        if ex is None or ex[0] is not layout:
+        """The group's exchange for this call's layout (the last one kept: a training loop
+        repeats its lengths, and packed documents change them every batch)."""
+        if self._exchange is None or self._exchange[0] is not layout:
             g = self.plan.rank // self.u
-            ex = self._exchange[id(layout)] = (layout, HeadExchange(
+            self._exchange = (layout, HeadExchange(
                 self._comms[0], [layout.positions(r) for r in range(g * self.u, (g + 1) * self.u)]))
-        return ex[1]
+        return self._exchange[1]
 
     def _inner_for(self, heads):
         """The ring's plan with this member's share of a per-head mask."""
         inner, mask = self._inner, self.plan.mask
-        share = self._slices(heads, heads)[0][self.plan.rank % self.u]
+        share = member_heads(self.u, heads, 1)[0][self.plan.rank % self.u]  # its query heads
         inner.mask = None if mask is None else head_slice(mask, share.start, share.stop - share.start)
         return inner
 
     def _slices(self, heads, kv_heads):
-        return head_slices(self.u, heads, kv_heads)
+        return member_heads(self.u, heads, kv_heads)
+
+    def _everywhere(self, call, *args, **kwargs):
+        """``call`` on the ring of groups, its failure raised on every rank of the plan: a
+        ring's plan raises on its own ranks only, and the other rings' ranks would wait for
+        theirs in the all-to-all back."""
+        error = None
+        try:
+            result = call(*args, **kwargs)
+        except Exception as e:  # every kind: the others must not hang
+            error = e
+        failed = self.plan.comm.allgather(error is not None)
+        if error is not None:
+            raise error
+        if any(failed):
+            raise RuntimeError(f"head_parallel: the ring of groups failed on rank {failed.index(True)} "
+                               "(its error says why)")
+        return result
 
     def _begin(self, dims, xp):
         """A call's exchange (its byte count reset), head slices and host staging."""
@@ -119,7 +138,7 @@ class HeadParallel:
         ex, (qs, kvs), host = self._begin(dims, xp)
         q, k, v = (host.back(ex.to_heads(host.out(h[n]), s)) for n, s in (("q", qs), ("k", kvs), ("v", kvs)))
         inner = self._inner_for(Z)
-        out, lse = inner.forward(q, k, v, cu_seqlens=cu_seqlens)
+        out, lse = self._everywhere(inner.forward, q, k, v, cu_seqlens=cu_seqlens)
         out = ex.to_tokens(host.out(out), qs, Z)
         lse = _rows_last(ex.to_tokens(_rows_last(host.out(lse)), qs, Z))  # (B, heads, C): tokens on axis 1 there
         return host.back(out), host.back(lse), self._stats(inner.last_stats.forward, ex)
@@ -134,7 +153,8 @@ class HeadParallel:
         inner = self._inner_for(Z)
         replicated = Zkv % self.u != 0
         inner.kv_grads_accumulated = replicated  # the replicas' shares are summed unrounded
-        dq, dk, dvv = inner.backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], cu_seqlens=cu_seqlens)
+        dq, dk, dvv = self._everywhere(inner.backward, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"],
+                                       cu_seqlens=cu_seqlens)
         dq = ex.to_tokens(host.out(dq), qs, Z)
         dk, dvv = (ex.to_tokens(host.out(x), kvs, Zkv, add=replicated).astype(h["k"].dtype, copy=False)
                    for x in (dk, dvv))

@@ -90,9 +90,9 @@ def _on_gpu(x):
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout="contiguous",
-              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1):
+              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat"):
     """``burstmpi.attention`` as a differentiable function of JAX arrays q, k, v (eager, or
-    inside ``jax.jit``/``jax.grad``). Shapes, masks, ``head_parallel``, documents and layouts as in
+    inside ``jax.jit``/``jax.grad``). Shapes, masks, ``head_parallel``, ``topology``, documents and layouts as in
     ``burstmpi.attention`` (this rank's part of the sequence; ``cu_seqlens`` a list or
     NumPy array, and ``mask`` a ``burstmpi.masks`` mask: static, like a shape). Returns out like q. Collective over ``comm`` in the
     forward and in the backward; every rank must trace and run the same program."""
@@ -100,13 +100,14 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     cu = check_cu_seqlens("burstmpi.jax.attention", cu_seqlens)
     check_mask("burstmpi.jax.attention", mask)  # before it is hashed into the key
     key = (comm.py2f(), bool(causal), None if window is None else tuple(window), softmax_scale, layout,
-           bwd_comm, fingerprint(cu), mask, head_parallel)
+           bwd_comm, fingerprint(cu), mask, head_parallel, topology)
     fn = _FUNCS.get(key)
     if fn is None:
         if len(_FUNCS) >= _KEPT:
             _FUNCS.pop(next(iter(_FUNCS)))
         plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
-                              bwd_comm=bwd_comm, backend="numpy", mask=mask, head_parallel=head_parallel)
+                              bwd_comm=bwd_comm, backend="numpy", mask=mask, head_parallel=head_parallel,
+                              topology=topology)
         fn = _FUNCS[key] = _build(plan, cu)
     if not _warned and any(_on_gpu(x) for x in (q, k, v)):
         _warned.append(True)

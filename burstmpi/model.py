@@ -312,12 +312,12 @@ def scale(machine, heads, kv_list, head_dim, ranks_list, tokens_list):
     efficiency (time computing over time), and the tokens per GPU each needs to hide its
     transfers (``burstmpi.model_topology.scale_row``, closed form)."""
     from .bench import parse_size
-    from .model_topology import scale_row
+    from .model_topology import RINGS, scale_row
 
     m = MACHINES[machine]
     click.echo(f"# {m}\n# dense causal, zigzag, bf16, {heads} heads, head dim {head_dim}; "
                "hide: tokens per GPU above which the transfers hide behind compute")
-    names = ("flat", "two-level", "head-parallel")
+    names = RINGS
     click.echo(f"# {'kvh':>3} {'GPUs':>5} {'tokens':>7} " + " ".join(
         f"{n + ' ms':>16} {'exp%':>5} {'eff':>5} {'hide':>7}" for n in names) + "  best")
     for kvh in (int(x) for x in kv_list.split(",")):

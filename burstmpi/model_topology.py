@@ -29,9 +29,9 @@ from .schedule import pair_matrix
 from .transport.nodes import Nodes
 from .twolevel import block_owner
 
-__all__ = ["predict_ring", "TOPOLOGIES"]
+__all__ = ["predict_ring", "scale_row", "RINGS"]
 
-TOPOLOGIES = ("flat", "two-level", "head-parallel")
+RINGS = ("flat", "two-level", "head-parallel")  # what ``scale_row`` compares
 
 
 def _dtypes(shape):

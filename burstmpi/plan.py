@@ -10,9 +10,9 @@ import numpy as np
 from . import ring, twolevel, twoway
 from .transport.comm import rows_bytes
 from .device import abort_on_device_error
+from .config import settings
 from .geometry import geometry
 from .heads import HeadParallel, check_head_parallel
-from .twolevel import check_two_level
 from .interop import like
 from .masks.intervals import Bounds
 from .runtime import Runtime
@@ -204,8 +204,10 @@ class BurstAttention:
 
     @property
     def buffer_bytes(self):
-        """Bytes of ring buffers this plan holds (the double buffers and partials)."""
-        return self.runtime.buffer_bytes
+        """Bytes of ring buffers this plan holds (the double buffers and partials, and the
+        two-level ring's own: ``burstmpi.twolevel``)."""
+        rings = getattr(self, "_rings", None)
+        return self.runtime.buffer_bytes + (rings.nbytes if rings is not None else 0)
 
     def phase_stats(self, chans, owners, pairs, direction, timer, t_start):
         """A phase's ``PhaseStats``. ``owners``: the ranks whose blocks this rank computed
@@ -234,6 +236,7 @@ class BurstAttention:
                 ("bwd_comm", self.bwd_comm), ("backend", rt.backend_name),
                 ("transport", rt.transport_name), ("head_parallel", self.head_parallel),
                 ("topology", self.topology),
+                ("BURSTMPI_INTERNODE_GBPS", settings().internode_gbps),  # it picks the transport
                 ("mask", None if self.mask is None else f"{_short(repr(self.mask))} #{self.mask.digest()}"))
 
     def _prepare(self, fn, arrays, check, cu_seqlens):
@@ -253,7 +256,7 @@ class BurstAttention:
             if self._heads is not None:
                 check_head_parallel(fn, self.head_parallel, self.nranks, rt.nodes, dims[2], dims[3])
             if self._heads is None and self._ring_topology(kind) == "two-level":
-                check_two_level(fn, rt.nodes, kind)
+                twolevel.check_two_level(fn, rt.nodes, kind)
         except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
             error = e
         sig = [("nranks", self.nranks), ("runs on", kind)] + list(self._options())
@@ -301,6 +304,8 @@ class BurstAttention:
             self.runtime.finish()
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         self.last_stats.transport = self.transport.name  # the call may have fallen back to MPI
+        if topology == "two-level":
+            self.last_stats.transport = twolevel.transport_name(self)
         return like(out, q), like(lse, q)
 
     def _ring_topology(self, kind):
@@ -382,6 +387,8 @@ class BurstAttention:
             self.runtime.finish()
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
         self.last_stats.transport = self.transport.name
+        if topology == "two-level":
+            self.last_stats.transport = twolevel.transport_name(self)
         self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)
 

@@ -35,20 +35,20 @@ _PLANS = {}
 _PLANS_KEPT = 16
 
 
-def _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel):
+def _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology):
     """The plan for these options, kept so its ring buffers are reused from step to step."""
     comm = MPI.COMM_WORLD if comm is None else comm
     handle = comm.py2f() if isinstance(comm, MPI.Comm) else id(comm)
     check_mask("burstmpi.torch.attention", mask)  # before it is hashed into the key
     key = (handle, bool(causal), None if window is None else tuple(window), softmax_scale, layout, bwd_comm, mask,
-           head_parallel)
+           head_parallel, topology)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
                                             layout=layout, bwd_comm=bwd_comm, mask=mask,
-                                            head_parallel=head_parallel)
+                                            head_parallel=head_parallel, topology=topology)
     return plan
 
 
@@ -81,10 +81,10 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout="contiguous",
-              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1):
+              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat"):
     """``burstmpi.attention`` as a differentiable function of torch tensors q, k, v.
 
-    Shapes, masks (``mask=``: ``burstmpi.masks``), ``head_parallel``, documents and layouts as in ``burstmpi.attention`` (this rank's part of
+    Shapes, masks (``mask=``: ``burstmpi.masks``), ``head_parallel``, ``topology``, documents and layouts as in ``burstmpi.attention`` (this rank's part of
     the sequence; ``cu_seqlens`` a list, NumPy array or CPU tensor of global offsets).
     Returns out like q. Collective over ``comm`` in the forward and in the backward."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -92,5 +92,5 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
             raise TypeError(f"burstmpi.torch.attention: {name}: expected a torch.Tensor, got {type(x).__name__}")
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    plan = _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel)
+    plan = _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology)
     return _Attention.apply(q, k, v, plan, cu_seqlens)

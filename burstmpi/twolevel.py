@@ -18,27 +18,27 @@ in float32 (float64 for float64 inputs) as there.
 The backward circulates K and V (``bwd_comm="ring"``'s choice of what travels) with their
 dK/dV partials: a partial follows its block around one node's inner ring, gathering that
 node's contributions, and goes home from the loop's last holder straight to the block's
-owner. The owner adds the partial of cycle o after cycle o + 1 (the last one after the
-phase), so the home transfer hides behind a cycle of compute too.
+owner. The owner adds the partial of cycle o at the start of cycle o + 2 (the last two
+after the phase), so the home transfer hides behind a cycle of compute too.
 
 Inner and outer transfers use communicators of their own (split from the plan's), so
 they match only among themselves; the home partials use the plan's. Packets carry a
 rank's whole block (no shrinking, as the flat ring does for masks), and steps with no
-visible pair skip their compute, not their transfer. Host arrays, MPI transports.
+visible pair skip their compute, not their transfer. Host arrays, MPI transports. The
+buffers are the plan's, kept from call to call while the shapes stay
+(``BurstAttention.buffer_bytes`` counts them).
 """
 
 import time
 
-import numpy as np
-
 from .config import settings
 from .ring import (Timer, _rows, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces,
                    key_operands, packet_fields)
-from .transport.comm import Channel, MPITransport, Packet
+from .transport.comm import Channel, MPITransport, Packet, split_once
 from .transport.nodes import Nodes
 from .transport.slowlinks import SlowLinksTransport
 
-__all__ = ["check_two_level", "block_owner", "forward", "backward"]
+__all__ = ["check_two_level", "block_owner", "transport_name", "forward", "backward"]
 
 TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME = 41, 42, 43, 44
 
@@ -62,14 +62,24 @@ class _Rings:
         self.node, self.local = nodes.node, nodes.local_rank
         self.N, self.g = nodes.count, len(nodes.members[0])
         self.members = nodes.members
-        self.inner = comm.Split(self.node, self.local)
-        self.outer = comm.Split(self.local, self.node)
+        self.inner, self.outer = split_once(comm, ("two-level", nodes.node_of),
+                                            [(self.node, self.local), (self.local, self.node)])
         gbps = settings().internode_gbps
         self.t_inner = MPITransport(self.inner)
         self.t_outer = (SlowLinksTransport(self.outer, Nodes(range(self.N), self.node), gbps) if gbps
                         else MPITransport(self.outer))
         for t in (self.t_inner, self.t_outer):
             t.idle = plan.transport.idle
+        self._kept, self.nbytes = {}, 0
+
+    def kept(self, key, make, be):
+        """The buffers ``make(alloc)`` builds for ``key`` (fields), made once and counted."""
+        if key not in self._kept:
+            def alloc(n):
+                self.nbytes += n
+                return be.alloc(n)
+            self._kept[key] = make(alloc)
+        return self._kept[key]
 
     def owner(self, o, s):
         """The world rank whose block this rank holds at cycle o, step s."""
@@ -84,6 +94,12 @@ def block_owner(members, node, local, o, s):
     """The rank whose block local rank ``local`` of node ``node`` holds at cycle o, step s
     (``members``: ``Nodes.members``, equal nodes)."""
     return members[(node - o) % len(members)][(local - s) % len(members[0])]
+
+
+def transport_name(plan):
+    """What ``last_stats.transport`` says of a two-level call: its rings' transports."""
+    r = _rings(plan)
+    return f"two-level: inner {r.t_inner.name}, outer {r.t_outer.name}, partials home {plan.transport.name}"
 
 
 def _rings(plan):
@@ -120,18 +136,27 @@ def _steps(r, count, inner, outer, timer):
             timer.run("wait", outer.wait)
 
 
-def _channels(plan, r, fields, be):
-    inner = r.channel(r.t_inner, fields, r.g, r.local, TAG_INNER, be.alloc)
-    outer = r.channel(r.t_outer, fields, r.N, r.node, TAG_OUTER, be.alloc)
+def _channels(r, fields, be):
+    """The inner and outer rings' channels for packets of ``fields``, ready for a phase."""
+    inner, outer = r.kept(("channels", _key(fields)), lambda alloc: (
+        r.channel(r.t_inner, fields, r.g, r.local, TAG_INNER, alloc),
+        r.channel(r.t_outer, fields, r.N, r.node, TAG_OUTER, alloc)), be)
+    inner.begin()
+    outer.begin()
     return inner, outer
 
 
-def _stats(plan, r, sent_inner, sent_outer, sent_home, owners, pairs, timer, t_start):
+def _key(fields):
+    return tuple((name, tuple(shape), str(dt)) for name, shape, dt in fields)
+
+
+def _stats(plan, sent_inner, sent_outer, sent_home, received, owners, pairs, timer, t_start):
     from .plan import PhaseStats
     home_inter = sum(n for dest, n in sent_home.items() if plan.runtime.nodes.remote(plan.rank, dest))
     total = sent_inner + sent_outer + sum(sent_home.values())
     computed = len(set(owners))
-    return PhaseStats(bytes_sent=total, bytes_internode=sent_outer + home_inter, steps_computed=computed,
+    return PhaseStats(bytes_sent=total, bytes_internode=sent_outer + home_inter, bytes_recv=received,
+                      steps_computed=computed,
                       steps_skipped=plan.nranks - computed, pairs=int(pairs), direction=1,
                       wall_s=time.perf_counter() - t_start, compute_s=timer.compute, wait_s=timer.wait)
 
@@ -144,7 +169,7 @@ def forward(plan, q, k, v, dims):
     r = _rings(plan)
     lay = geo.layout
     packet, _ = packet_fields("forward", (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
-    inner, outer = _channels(plan, r, packet, be)
+    inner, outer = _channels(r, packet, be)
     timer, t_start = Timer(), time.perf_counter()
     home = key_operands(k, v)
     for name, view in outer.fill(C).items():
@@ -162,7 +187,8 @@ def forward(plan, q, k, v, dims):
                   geo.pieces(qb, geo.block("k", w)), plan.scale, poll=poll)
     out, lse = finish_forward(be, state, q.dtype, dims)
     pairs = sum(geo.pairs(plan.rank, w) for w in owners)
-    return out, lse, _stats(plan, r, inner.bytes_sent, outer.bytes_sent, {}, owners, pairs, timer, t_start)
+    return out, lse, _stats(plan, inner.bytes_sent, outer.bytes_sent, {}, inner.bytes_recv + outer.bytes_recv,
+                            owners, pairs, timer, t_start)
 
 
 class _Home:
@@ -170,21 +196,23 @@ class _Home:
     each reused once its last send is done) and the receives of its own block's partials
     (two buffers: cycle o's lands while cycle o - 1's waits to be added)."""
 
-    def __init__(self, transport, fields, alloc):
-        self.t = transport
+    def __init__(self, fields, alloc):
         self.send = [Packet(fields, alloc) for _ in range(2)]
         self.recv = [Packet(fields, alloc) for _ in range(2)]
+
+    def begin(self, transport):
+        """A phase starts: on ``transport`` (the plan's), with nothing in flight."""
+        self.t = transport
         self.sreq, self.rreq = [None, None], [None, None]
-        self.next = 0
-        self.sent = {}
+        self.next, self.sent, self.received_bytes = 0, {}, 0
+        return self
 
     def buffer(self, rows):
-        """Zeroed views of the next send buffer (its last send waited for)."""
+        """Views of the next send buffer (its last send waited for), to copy a partial into."""
         i = self.next
         if self.sreq[i] is not None:
             self.t.wait([self.sreq[i]])
             self.sreq[i] = None
-        self.send[i].message(rows).fill(0)
         return self.send[i].views(rows)
 
     def post_send(self, dest, rows):
@@ -195,7 +223,9 @@ class _Home:
         self.next = 1 - i
 
     def post_recv(self, slot, source, rows):
-        self.rreq[slot] = (self.t.irecv(self.recv[slot].message(rows), source, TAG_HOME), rows)
+        into = self.recv[slot].message(rows)
+        self.rreq[slot] = (self.t.irecv(into, source, TAG_HOME), rows)
+        self.received_bytes += into.nbytes
 
     def received(self, slot):
         req, rows = self.rreq[slot]
@@ -222,11 +252,13 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     lay = geo.layout
     count = lay.count
     packet, partial = packet_fields("ring", (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
-    inner, outer = _channels(plan, r, packet, be)
-    # A partial passes to the next rank of the node with its block (inner), or goes home.
-    ipart = [Packet(partial, be.alloc) for _ in range(2)]
-    incoming = Packet(partial, be.alloc)  # the previous rank's partial of the block in hand
-    home = _Home(plan.transport, partial, be.alloc)
+    inner, outer = _channels(r, packet, be)
+    # A partial passes to the next rank of the node with its block (two buffers, each reused
+    # once its send is done), or goes home; ``incoming``: the previous rank's partial of the
+    # block in hand.
+    ipart, incoming, home = r.kept(("partials", _key(partial)), lambda alloc: (
+        [Packet(partial, alloc) for _ in range(2)], Packet(partial, alloc), _Home(partial, alloc)), be)
+    home.begin(plan.transport)
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
     for name, view in outer.fill(C).items():
@@ -237,8 +269,8 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     # n + o (none at cycle 0 when a node has one rank: we held it alone).
     has_home = [o > 0 or r.g > 1 for o in range(r.N)]
     last_holder = lambda o: r.members[(r.node + o) % r.N][(r.local - 1) % r.g]
-    pend = []  # (slot) of home partials received, to add one cycle later
-    owners, ipart_req, ipart_recv, inner_sent = [], [None, None], None, 0
+    pend = []  # slots of home partials posted, each added at the start of the cycle after next
+    owners, ipart_req, ipart_recv, inner_sent, inner_recv = [], [None, None], None, 0, 0
     poll = lambda: any([inner.progress(), outer.progress(), bool(home.pending()) and not
                         plan.transport.progress(home.pending())])
     pb_index = 0
@@ -252,7 +284,9 @@ def backward(plan, dout, q, k, v, out, lse, dims):
         own = o == 0 and s == 0  # our own block: straight into our accumulators
         rows = count(w)
         if s >= 1 and not (o == 0 and s == 1):  # the previous holder made a partial of it
-            ipart_recv = r.t_inner.irecv(incoming.message(rows), (r.local - 1) % r.g, TAG_PARTIAL)
+            into = incoming.message(rows)
+            ipart_recv = r.t_inner.irecv(into, (r.local - 1) % r.g, TAG_PARTIAL)
+            inner_recv += into.nbytes
         if own:
             target = grads
         else:
@@ -290,7 +324,8 @@ def backward(plan, dout, q, k, v, out, lse, dims):
         _add(timer, home, grads, p)
     dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
     pairs = sum(geo.pairs(me, w) for w in owners)
-    st = _stats(plan, r, inner.bytes_sent + inner_sent, outer.bytes_sent, home.sent, owners, pairs, timer, t_start)
+    st = _stats(plan, inner.bytes_sent + inner_sent, outer.bytes_sent, home.sent,
+                inner.bytes_recv + outer.bytes_recv + inner_recv + home.received_bytes, owners, pairs, timer, t_start)
     return dq, dk, dvv, st
 
 

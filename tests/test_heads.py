@@ -12,11 +12,11 @@ import pytest
 import burstmpi
 import kernel_harness as kh
 from burstmpi import reference as ref
-from burstmpi.heads import head_slices
+from burstmpi.heads import member_heads
 from burstmpi.layout import Layout
 from burstmpi.masks import BlockSparse, Causal, PerHead, Sinks, Window, head_slice
 from burstmpi.transport.nodes import Nodes, nodes
-from conftest import COMM, NRANKS, RANK, check_against_float64, needs_ranks, random_docs
+from conftest import COMM, NRANKS, RANK, check_against_float64, random_docs
 
 GROUPS = [u for u in range(2, NRANKS + 1) if NRANKS % u == 0]
 multirank = pytest.mark.skipif(not GROUPS, reason="head parallelism needs 2+ MPI ranks (run under mpiexec)")
@@ -49,10 +49,10 @@ def test_merged_layout_with_documents():
     assert np.array_equal(merged.positions(1), np.sort(np.concatenate([base.positions(2), base.positions(3)])))
 
 
-def test_head_slices():
-    assert head_slices(2, 8, 8) == ([slice(0, 4), slice(4, 8)], [slice(0, 4), slice(4, 8)])
-    assert head_slices(4, 8, 2)[1] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]  # replicated
-    assert head_slices(4, 4, 1)[1] == [slice(0, 1)] * 4  # MQA
+def test_member_heads():
+    assert member_heads(2, 8, 8) == ([slice(0, 4), slice(4, 8)], [slice(0, 4), slice(4, 8)])
+    assert member_heads(4, 8, 2)[1] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]  # replicated
+    assert member_heads(4, 4, 1)[1] == [slice(0, 1)] * 4  # MQA
 
 
 def test_head_slice_of_a_per_head_mask():
@@ -113,6 +113,38 @@ def test_head_parallel_with_masks_and_documents(per_node, mask):
                  "sinks|window": Sinks(2) | Window(5, 0)}
         check_against_float64(N=N, Z=Z, Zkv=u, d=16, layout="zigzag", mask=masks[mask], head_parallel=u,
                               cu_seqlens=random_docs(N, seed=u), tag="heads mask ")
+
+
+@multirank
+def test_head_parallel_with_the_two_level_ring(per_node):
+    """Groups of u inside nodes of 2u ranks: the ring over the groups is itself two-level
+    (two groups a node), with replicated K/V heads and a per-head mask."""
+    groups = [u for u in GROUPS if NRANKS % (2 * u) == 0 and NRANKS // (2 * u) > 1]
+    if not groups:
+        pytest.skip("needs ranks that hold at least two nodes of two groups")
+    u = groups[0]
+    per_node(2 * u)
+    Z = 2 * u
+    N = 9 * NRANKS + 1
+    mask = PerHead([Causal(), Window(3, 0)] * u)
+    plan, _ = check_against_float64(N=N, Z=Z, Zkv=1, d=16, layout="zigzag", mask=mask, head_parallel=u,
+                                    topology="two-level", bwd_comm="ring", tag="heads two-level ")
+    assert plan.last_stats.topology == "two-level"
+
+
+def test_functional_calls_share_the_group_communicators(per_node):
+    from burstmpi.transport import comm as tcomm
+
+    if not GROUPS:
+        pytest.skip("needs 2+ MPI ranks")
+    u = GROUPS[0]
+    per_node(u)
+    q, k, v, _ = ref.random_problem(1, 4 * NRANKS, u, u, 8, seed=6)
+    counts = []
+    for _ in range(3):
+        burstmpi.attention(burstmpi.shard(q), burstmpi.shard(k), burstmpi.shard(v), head_parallel=u)
+        counts.append(len(tcomm._SPLITS))
+    assert counts[0] == counts[1] == counts[2]
 
 
 pytest_kernels = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
@@ -185,7 +217,8 @@ def test_bad_combinations_raise_on_every_rank(per_node):
         _raises_everywhere(burstmpi.BurstAttention(head_parallel=u), 2 * u, 2 if u % 2 else 4 * u, "K/V heads")
 
 
-@needs_ranks(4)
+@multirank
 def test_a_group_across_nodes_raises_on_every_rank(per_node):
     per_node(1)  # every rank a node of its own
-    _raises_everywhere(burstmpi.BurstAttention(head_parallel=2), 4, 2, "inside one node")
+    u = GROUPS[0]
+    _raises_everywhere(burstmpi.BurstAttention(head_parallel=u), 2 * u, u, "inside one node")

@@ -141,3 +141,31 @@ def test_unequal_nodes_raise_on_every_rank(per_node):
     q, k, v, _ = ref.random_problem(1, 4 * NRANKS, 2, 2, 8, seed=2)
     with pytest.raises(ValueError, match="'two-level' needs nodes of equal size"):
         burstmpi.BurstAttention(topology="two-level").forward(burstmpi.shard(q), burstmpi.shard(k), burstmpi.shard(v))
+
+
+def test_two_level_with_ranks_holding_no_token(per_node):
+    """N below the ranks: some ranks hold nothing, their packets are empty."""
+    for g in SPREAD or SIZES:
+        per_node(g)
+        check_against_float64(N=max(1, NRANKS - 1), Z=2, Zkv=1, d=16, causal=True, layout="contiguous",
+                              topology="two-level", bwd_comm="ring", tag="two-level ")
+
+
+def test_calls_reuse_the_rings(per_node):
+    """A plan's calls keep its buffers, and plans made call after call (the functional API
+    makes one each) share their communicators: nothing grows."""
+    from burstmpi.transport import comm as tcomm
+
+    per_node((SPREAD or SIZES)[0])
+    q, k, v, do = ref.random_problem(1, 6 * NRANKS, 2, 2, 8, seed=4)
+    sh = burstmpi.shard
+    plan = burstmpi.BurstAttention(topology="two-level")
+    sizes = []
+    for _ in range(3):
+        out, lse = plan.forward(sh(q), sh(k), sh(v))
+        plan.backward(sh(do), sh(q), sh(k), sh(v), out, lse)
+        burstmpi.attention(sh(q), sh(k), sh(v), topology="two-level")
+        sizes.append((plan.buffer_bytes, len(tcomm._SPLITS)))
+    assert sizes[0] == sizes[1] == sizes[2]
+    assert plan.last_stats.backward.bytes_recv > 0 or NRANKS == 1
+    assert plan.last_stats.transport.startswith("two-level:")

@@ -3,5 +3,7 @@
 ``comm``: the private communicator, the MPI transports and the double-buffered channels
 the ring posts its transfers on; ``shm``: the same channels for the ranks of one node,
 reading packets in place from a shared window; ``nccl``: NCCL communicators bootstrapped
-over MPI and the event-ordered GPU transport; ``nodes``: which ranks share a node.
+over MPI and the event-ordered GPU transport; ``nodes``: which ranks share a node;
+``alltoall``: sequence shards to head shards inside a group (head parallelism);
+``slowlinks``: links between nodes slowed to a given bandwidth (a simulation aid).
 """

@@ -84,5 +84,6 @@ class HeadExchange:
             out[:, :, sl] = part
         return out
 
+
 def _displs(counts):
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist() if counts else []

@@ -55,6 +55,22 @@ def private_comm(comm):
     return dup
 
 
+_SPLITS = {}  # (communicator handle, purpose) -> the communicators split from it for it
+
+
+def split_once(comm, purpose, colors):
+    """``comm.Split(color, key)`` for each (color, key) of ``colors``, made once per
+    communicator and ``purpose`` (a hashable naming the grouping: the same on every rank)
+    and kept for the life of the process. ``burstmpi.attention`` makes a plan per call, so
+    plans must share their sub-communicators rather than each split its own: MPI has a few
+    thousand. Collective on the first call for a (communicator, purpose)."""
+    key = (comm.py2f(), purpose)
+    split = _SPLITS.get(key)
+    if split is None:
+        split = _SPLITS[key] = tuple(comm.Split(color, k) for color, k in colors)
+    return split
+
+
 def complete(requests, idle=False):
     """Wait for MPI requests. MPI's Waitall polls without pause, and where ranks take turns
     on a core (``idle``) the waiting rank would take half of it from the rank it waits for:

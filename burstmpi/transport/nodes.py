@@ -78,6 +78,9 @@ def nodes(comm):
     """The ``Nodes`` of ``comm`` (collective): ``BURSTMPI_RANKS_PER_NODE`` if set, else the
     shared-memory split."""
     per_node = settings().ranks_per_node
+    every = comm.allgather(per_node)  # a setting that differs between ranks raises on every rank
+    if len(set(every)) > 1:
+        raise ValueError(f"BURSTMPI_RANKS_PER_NODE: expected the same on every rank, got {every} (by rank)")
     if per_node:
         return Nodes.blocks(comm.Get_size(), per_node, comm.Get_rank())
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)

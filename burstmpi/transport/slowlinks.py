@@ -4,9 +4,10 @@
 behave, for the ring's transfers, like a cluster whose nodes (``transport.nodes``, faked
 with ``BURSTMPI_RANKS_PER_NODE``) talk over a network of X GB/s per rank (gigabytes, as
 the performance model's figures): a message from another node is not complete before
-its bytes could have crossed such a link. Each rank's inbound link carries one message at
-a time (a message waits for the ones posted before it), so a rank receiving from several
-nodes pays for all of them, as a NIC would. Transfers inside a node run at the machine's
+its bytes could have crossed such a link, counted from when MPI has it here (both sides
+posted: what the ring's polling observes) or when the link has delivered the message
+before it. Each rank's inbound link carries one message at a time, so a rank receiving
+from several nodes pays for all of them, as a NIC would. Transfers inside a node run at the machine's
 own speed. The link is the rank's: the transfers of every plan and communicator of a
 process (the two-level ring's outer ring and its partials going home) queue on it. Host
 buffers over MPI only: the shared-memory transport reads packets in place and is not used
@@ -30,14 +31,17 @@ _link_free = [0.0]
 
 
 class _Due:
-    """An MPI request that also may not complete before ``due`` (``time.perf_counter``)."""
+    """A receive from another node: its MPI request, its bytes, and once MPI has completed
+    it, when the slowed link would have delivered it (``due``)."""
 
-    def __init__(self, request, due):
-        self.request, self.due = request, due
+    def __init__(self, request, nbytes):
+        self.request, self.nbytes, self.due = request, nbytes, None
 
 
 class SlowLinksTransport(MPITransport):
-    """``MPITransport`` whose receives from other nodes take at least bytes / ``gbps``."""
+    """``MPITransport`` whose receives from other nodes take at least bytes / ``gbps``,
+    counted from when the message could first move: MPI's completion of the receive (both
+    sides posted, the data here), or the end of the link's previous message."""
 
     name = "mpi (inter-node links slowed)"
 
@@ -49,23 +53,29 @@ class SlowLinksTransport(MPITransport):
         request = super().irecv(buf, source, tag)
         if not self.nodes.remote(self.comm.Get_rank(), source):
             return request
-        start = max(time.perf_counter(), _link_free[0])
-        _link_free[0] = start + buf.nbytes / self.rate
-        return _Due(request, _link_free[0])
+        return _Due(request, buf.nbytes)
 
-    @staticmethod
-    def _split(requests):
-        reqs = [r.request if isinstance(r, _Due) else r for r in requests]
-        due = max((r.due for r in requests if isinstance(r, _Due)), default=0.0)
-        return reqs, due
+    def _arrived(self, r):
+        """``r``'s MPI receive has just been seen complete: book the link."""
+        start = max(time.perf_counter(), _link_free[0])
+        r.due = _link_free[0] = start + r.nbytes / self.rate
 
     def wait(self, requests):
-        reqs, due = self._split(requests)
-        complete(reqs, self.idle)
-        left = due - time.perf_counter()
+        complete([r for r in requests if not isinstance(r, _Due)], self.idle)
+        for r in requests:
+            if isinstance(r, _Due) and r.due is None:
+                complete([r.request], self.idle)
+                self._arrived(r)
+        left = max((r.due for r in requests if isinstance(r, _Due)), default=0.0) - time.perf_counter()
         if left > 0:
             time.sleep(left)
 
     def progress(self, requests):
-        reqs, due = self._split(requests)
-        return MPI.Request.Testall(reqs) and time.perf_counter() >= due
+        done = MPI.Request.Testall([r for r in requests if not isinstance(r, _Due)])
+        now = time.perf_counter()
+        for r in requests:
+            if isinstance(r, _Due):
+                if r.due is None and r.request.Test():
+                    self._arrived(r)
+                done = done and r.due is not None and now >= r.due
+        return done
