@@ -363,7 +363,10 @@ def test_workers_run_every_item_once_poll_and_raise():
     held = [s.nbytes for s in w.scratch]
     assert sum(held) >= 16
     w.run(range(50), note)
-    assert [s.nbytes for s in w.scratch] == held  # the same scratch again, nothing new
+    # The same scratch again, nothing new: a thread that ran items keeps its array (one that
+    # got none the first time, on a loaded machine, may allocate the same size now).
+    after = [s.nbytes for s in w.scratch]
+    assert all(a == b for a, b in zip(held, after) if a) and set(after) <= set(held) | {max(held)}
 
     def boom(item, scratch):
         if item == 7:
