@@ -82,10 +82,10 @@ def test_projection_step_matches_dense(jit, layout, mask):
 
 
 @pytest.mark.skipif(not HEAD_GROUPS, reason="needs a rank count that 2 or 4 divides")
-@pytest.mark.parametrize("mask", ["causal", "sinks-chunks-per-head"])
+@pytest.mark.parametrize("mask", ["sinks-chunks-per-head"])
 def test_projection_step_with_head_parallel(mask):
     """Groups of u ranks share the heads (u = 4 replicates the 2 K/V heads)."""
-    for u in HEAD_GROUPS:
+    for u in HEAD_GROUPS[-1:]:  # 4 where it divides the ranks: K/V heads replicated
         _projection_step(True, "zigzag", mask, u)
 
 

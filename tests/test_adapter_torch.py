@@ -95,13 +95,13 @@ def test_projection_step_matches_dense(layout, mask):
 
 
 @pytest.mark.skipif(not HEAD_GROUPS, reason="needs a rank count that 2 or 4 divides")
-@pytest.mark.parametrize("mask", ["causal", "sinks-chunks-per-head"])
+@pytest.mark.parametrize("mask", ["sinks-chunks-per-head"])
 def test_projection_step_with_head_parallel(mask):
     """Groups of u ranks share the heads (u = 4 replicates the 2 K/V heads)."""
     _, causal, window, docs, pattern = next(m for m in MASKS if m[0] == mask)
     N = 5 * NRANKS + 3
     x, W, target = step_problem(N)
-    for u in HEAD_GROUPS:
+    for u in HEAD_GROUPS[-1:]:  # 4 where it divides the ranks: K/V heads replicated
         total, _ = _step(x, W, target, "zigzag", causal, window, None, pattern, head_parallel=u)
         dense = dense_weight_grad(x, W, target, causal, window, None, pattern)
         assert np.abs(total - dense).max() / np.abs(dense).max() < 1e-12, u
