@@ -128,8 +128,8 @@ class BurstAttention:
         a whole inner cycle (``burstmpi.twolevel``; nodes of equal size, host arrays,
         the backward circulates K/V). "auto": two-level where the ranks span several
         equal nodes of 2+ ranks, the arrays are on the host and ``bwd_comm`` is "auto" or
-        "ring", else flat. ``last_stats.topology`` says
-        which ran. Nodes: ``burstmpi.transport.nodes`` (``BURSTMPI_RANKS_PER_NODE``).
+        "ring", else flat. ``last_stats.topology`` says which ran. Nodes:
+        ``burstmpi.transport.nodes`` (``BURSTMPI_RANKS_PER_NODE``).
     head_parallel : int, default 1
         u > 1: groups of u consecutive ranks of one node share the heads (an all-to-all
         inside each group), and the ring runs over the P/u groups (``burstmpi.heads``).
