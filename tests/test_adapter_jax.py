@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import burstmpi
-from adapters_common import B, H, D, LAYOUTS, MASKS, dense_weight_grad, docs_for, local_rows, split, step_problem
+from adapters_common import B, D, E, H, HKV, LAYOUTS, MASKS, dense_weight_grad, docs_for, local_rows, split, step_problem
 from conftest import COMM, NRANKS
 
 HEAD_GROUPS = [u for u in (2, 4) if NRANKS % u == 0]  # head_parallel: divides the ranks and H = 4
@@ -78,7 +78,9 @@ def _loss(layout, causal, window, cu, rows, pattern=None, head_parallel=1):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mask", [m[0] for m in MASKS])
 def test_projection_step_matches_dense(jit, layout, mask):
-    _projection_step(jit, layout, mask)
+    err, value, shape = _projection_step(jit, layout, mask)
+    assert err < 1e-12, err
+    assert np.isfinite(value) and shape == (E, (H + 2 * HKV) * D)
 
 
 @pytest.mark.skipif(not HEAD_GROUPS, reason="needs a rank count that 2 or 4 divides")
@@ -86,10 +88,14 @@ def test_projection_step_matches_dense(jit, layout, mask):
 def test_projection_step_with_head_parallel(mask):
     """Groups of u ranks share the heads (u = 4 replicates the 2 K/V heads)."""
     for u in HEAD_GROUPS[-1:]:  # 4 where it divides the ranks: K/V heads replicated
-        _projection_step(True, "zigzag", mask, u)
+        err, value, shape = _projection_step(True, "zigzag", mask, u)
+        assert err < 1e-12, (u, err)
+        assert np.isfinite(value) and shape == (E, (H + 2 * HKV) * D)
 
 
 def _projection_step(jit, layout, mask, head_parallel=1):
+    """One training step's weight gradient, summed over ranks, against dense attention's:
+    (relative error, the loss, the gradient's shape)."""
     from mpi4py import MPI
 
     _, causal, window, docs, pattern = next(m for m in MASKS if m[0] == mask)
@@ -104,9 +110,7 @@ def _projection_step(jit, layout, mask, head_parallel=1):
     total = np.empty_like(np.asarray(g))
     COMM.Allreduce(np.ascontiguousarray(g), total, op=MPI.SUM)
     dense = dense_weight_grad(x, W, target, causal, window, cu, pattern)
-    err = np.abs(total - dense).max() / np.abs(dense).max()
-    assert err < 1e-12, err
-    assert np.isfinite(float(value)) and np.asarray(g).shape == W.shape
+    return np.abs(total - dense).max() / np.abs(dense).max(), float(value), np.asarray(g).shape
 
 
 def test_jit_runs_the_collectives_every_call_in_order():
