@@ -79,6 +79,20 @@ class Shape:
     window: tuple = None
 
 
+def dtypes(shape):
+    """(element dtype, accumulation dtype) of a shape's ``dtype_bytes`` (2: half precision)."""
+    e = shape.dtype_bytes
+    return {2: np.float16, 4: np.float32, 8: np.float64}[e], (np.float64 if e == 8 else np.float32)
+
+
+def work(shape, machine, mode):
+    """(FLOPs per visible pair, the machine's rate in FLOP/s) of a phase: the backward does
+    2.5x the forward's work, at its own rate."""
+    fwd = mode == "forward"
+    per_pair = 4.0 * shape.batch * shape.heads * shape.head_dim * (1.0 if fwd else 2.5)
+    return per_pair, (machine.fwd_tflops if fwd else machine.bwd_tflops) * 1e12
+
+
 def _phase(shape, machine, P, layout, mode, pairs, needs, node_of=None):
     """Lockstep simulation of one phase: (time, compute, exposed, bytes sent) per rank.
     ``node_of[r]``: the node of ring rank r (default: blocks of ``machine.ranks_per_node``)."""
@@ -86,13 +100,11 @@ def _phase(shape, machine, P, layout, mode, pairs, needs, node_of=None):
     B, N, Z, Zkv, d, dv = (shape.batch, shape.seqlen, shape.heads, shape.kv_heads, shape.head_dim,
                            shape.head_dim_v)
     C = -(-N // P)  # packets are sized for the largest block
-    dt = np.float16 if shape.dtype_bytes == 2 else np.float32 if shape.dtype_bytes == 4 else np.float64
-    acc = np.float64 if shape.dtype_bytes == 8 else np.float32
+    dt, acc = dtypes(shape)
     dims = (B, C, Z, Zkv, d, dv)
     packet, partial = ring.packet_fields("forward" if mode == "forward" else mode, dims, dt, acc)
     pb, qb = ring.nbytes(packet), ring.nbytes(partial)
-    per_pair = 4.0 * B * Z * d * (1.0 if mode == "forward" else 2.5)
-    rate = (machine.fwd_tflops if mode == "forward" else machine.bwd_tflops) * 1e12
+    per_pair, rate = work(shape, machine, mode)
     need = needs.T if mode == "burst" else needs
     scheds = [Schedule(need, r, pb, qb) for r in range(P)]
     compute = np.zeros(P)
@@ -132,8 +144,7 @@ def predict(shape, machine, P, layout, bwd_mode):
     B, Z, Zkv, d, dv, e = (shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.head_dim_v,
                            shape.dtype_bytes)
     dims = (B, C, Z, Zkv, d, dv)
-    acc = np.float64 if e == 8 else np.float32
-    dt = {2: np.float16, 4: np.float32, 8: np.float64}[e]
+    dt, acc = dtypes(shape)
     packet_f, _ = ring.packet_fields("forward", dims, dt, acc)
     packet_b, partial_b = ring.packet_fields(bwd_mode, dims, dt, acc)
     single = P == 1

@@ -24,7 +24,7 @@ import numpy as np
 from . import ring
 from .layout import Layout
 from .masks.intervals import Bounds, Mask
-from .model import Shape, _phase
+from .model import _phase, dtypes, work
 from .schedule import pair_matrix
 from .transport.nodes import Nodes
 from .twolevel import block_owner
@@ -34,20 +34,14 @@ __all__ = ["predict_ring", "scale_row", "RINGS"]
 RINGS = ("flat", "two-level", "head-parallel")  # what ``scale_row`` compares
 
 
-def _dtypes(shape):
-    e = shape.dtype_bytes
-    return {2: np.float16, 4: np.float32, 8: np.float64}[e], (np.float64 if e == 8 else np.float32)
-
-
 def _two_level_phase(shape, machine, nodes, layout, mode, pairs):
     """(time, compute per rank, inter-node bytes per rank) of one two-level phase."""
     P, N, g = len(nodes.node_of), nodes.count, len(nodes.members[0])
-    dt, acc = _dtypes(shape)
+    dt, acc = dtypes(shape)
     dims = (shape.batch, layout.max_count, shape.heads, shape.kv_heads, shape.head_dim, shape.head_dim_v)
     packet, partial = ring.packet_fields("forward" if mode == "forward" else "ring", dims, dt, acc)
     pb, qb = ring.nbytes(packet), ring.nbytes(partial)
-    per_pair = 4.0 * shape.batch * shape.heads * shape.head_dim * (1.0 if mode == "forward" else 2.5)
-    rate = (machine.fwd_tflops if mode == "forward" else machine.bwd_tflops) * 1e12
+    per_pair, rate = work(shape, machine, mode)
     x_in = machine.intra_latency_us * 1e-6 + (pb + qb) / (machine.intra_gbps * 1e9)
     link = lambda nbytes: machine.inter_latency_us * 1e-6 + nbytes / (machine.inter_gbps * 1e9)
     total, compute, inter = 0.0, np.zeros(P), np.zeros(P)
@@ -136,7 +130,6 @@ def scale_row(shape, machine, P, topology):
     (u = the node size)."""
     g = min(machine.ranks_per_node, P)
     N_nodes = max(1, P // g)
-    dt, acc = _dtypes(shape)
     B, Z, Zkv, d, e = shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes
     u = g if topology == "head-parallel" else 1
     ring_len, zkv = P // u, (Zkv // u if Zkv % u == 0 else 1) if u > 1 else Zkv
