@@ -448,14 +448,13 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     spec = cfg.get("mask_spec")
     mask = None if spec is None else build_pattern(spec, N, Z, seed)
     hp, topology = cfg.get("head_parallel") or 1, cfg.get("topology") or "flat"
-    bwd = "ring" if topology == "two-level" and cfg["bwd_comm"] == "auto" else cfg["bwd_comm"]
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
-                          bwd_comm=bwd, backend=dev.backend,
+                          bwd_comm=cfg["bwd_comm"], backend=dev.backend,
                           transport=transport, mask=mask, head_parallel=hp, topology=topology)
     memory = _footprint(comm, cfg, window, q, k, v, do, cu, mask) if trace_memory else {}
     dense, dense_times = None, []  # the same shapes unmasked, for --mask PATTERN
     if mask is not None:
-        dense = BurstAttention(layout=cfg["layout"], bwd_comm=bwd, backend=dev.backend,
+        dense = BurstAttention(layout=cfg["layout"], bwd_comm=cfg["bwd_comm"], backend=dev.backend,
                                transport=transport, head_parallel=hp, topology=topology)
         _iterations(comm, dense, arrays, 0, 1, dev)  # warmed up, untimed
     ref = []  # (fwd, bwd) seconds of the local kernel
