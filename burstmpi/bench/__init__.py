@@ -21,7 +21,7 @@ from mpi4py import MPI
 from . import attention, decode as decode_mode
 from ..layout import LAYOUTS
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
-from .common import DTYPES, cpu_line, legend, parse_bytes, parse_counts, parse_size, parse_window
+from .common import DTYPES, comma_list, cpu_line, legend, parse_bytes, parse_counts, parse_size, parse_window
 from .patterns import check_spec
 from ..validate import TOPOLOGIES
 
@@ -29,11 +29,7 @@ __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "
 
 
 def _topologies(value):
-    names = [x.strip() for x in str(value).split(",") if x.strip()]
-    bad = [x for x in names if x not in TOPOLOGIES]
-    if not names or bad:
-        raise click.BadParameter(f"expected some of {', '.join(TOPOLOGIES)} separated by commas, got {value!r}")
-    return list(dict.fromkeys(names))
+    return comma_list(value, lambda x: x if x in TOPOLOGIES else None, f"some of {', '.join(TOPOLOGIES)}")
 
 
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))

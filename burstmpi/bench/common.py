@@ -31,7 +31,7 @@ from ..interop import bfloat16
 from .binding import bind_ranks
 from .memory import Budget, Refused, peak_bytes, reset_peak
 
-__all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "parse_counts", "choices", "cores",
+__all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "parse_counts", "comma_list", "choices", "cores",
            "say", "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "barrier", "idle_barrier",
            "wall", "load_baseline", "sweep", "budget_for", "reads_in_place", "backend_line", "legend", "parse_bytes"]
 
@@ -82,15 +82,22 @@ def parse_bytes(ctx, param, value):
     return n
 
 
+def comma_list(value, item, what):
+    """``a,b,c`` -> [item(a), item(b), item(c)], in order, each once; ``item`` returns None
+    (or raises ValueError) for a bad one, and then the whole option is refused, naming
+    ``what`` it expected."""
+    try:
+        items = [item(x.strip()) for x in str(value).split(",") if x.strip()]
+    except ValueError:
+        items = [None]
+    if not items or None in items:
+        raise click.BadParameter(f"expected {what} separated by commas, got {value!r}")
+    return list(dict.fromkeys(items))
+
+
 def parse_counts(ctx, param, value):
     """``1,2,4`` -> [1, 2, 4]: positive integers, in order, each once."""
-    try:
-        counts = [int(x) for x in str(value).split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise click.BadParameter(f"expected positive integers separated by commas, got {value!r}")
-    return list(dict.fromkeys(counts))
+    return comma_list(value, lambda x: int(x) if int(x) >= 1 else None, "positive integers")
 
 
 def parse_window(ctx, param, value):
