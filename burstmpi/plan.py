@@ -304,9 +304,7 @@ class BurstAttention:
             out, lse, st = run(self, h["q"], h["k"], h["v"], dims)
             self.runtime.finish()
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
-        self.last_stats.transport = self.transport.name  # the call may have fallen back to MPI
-        if topology == "two-level":
-            self.last_stats.transport = twolevel.transport_name(self)
+        self.last_stats.transport = self._transport_name(topology)
         return like(out, q), like(lse, q)
 
     def _ring_topology(self, kind):
@@ -317,6 +315,11 @@ class BurstAttention:
         nodes = self.runtime.nodes
         spread = nodes.count > 1 and nodes.equal and len(nodes.members[0]) > 1
         return "two-level" if spread and kind != "cuda" and self.bwd_comm in ("auto", "ring") else "flat"
+
+    def _transport_name(self, topology):
+        """``last_stats.transport`` after a call: the call may have fallen back to MPI, and
+        the two-level ring names its rings' transports."""
+        return twolevel.transport_name(self) if topology == "two-level" else self.transport.name
 
     def _xp(self):
         """The array module of the call's converted arrays (NumPy, or CuPy on the GPU)."""
@@ -387,9 +390,7 @@ class BurstAttention:
                 dq, dk, dv, st = ring.backward(self, mode, *args)
             self.runtime.finish()
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
-        self.last_stats.transport = self.transport.name
-        if topology == "two-level":
-            self.last_stats.transport = twolevel.transport_name(self)
+        self.last_stats.transport = self._transport_name(topology)
         self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)
 
