@@ -6,8 +6,10 @@ simulation, extended).
   network between nodes) taken from the ranks' nodes.
 * **two-level** (``burstmpi.twolevel``): per cycle, g lockstep steps whose inner hops run
   inside the node, against one network transfer per rank overlapped with the whole cycle
-  (the backward's: the K/V block and, from the second cycle, the last cycle's dK/dV
-  partial going home; the last partial is exposed).
+  (the backward's: the travelling block and, from the second cycle, the last cycle's
+  partial going home; the last partial is exposed). "two-way" moves the K/V and query
+  packets each way and no partial, and computes the backward as two passes (7 GEMMs a
+  block pair instead of 5, as the host backend does).
 * **head parallelism** (``burstmpi.heads``): the ring of P/u groups with u times the
   tokens and 1/u of the heads per rank, plus its all-to-alls inside the node (not
   overlapped: they run before and after the ring).
@@ -27,7 +29,7 @@ from .masks.intervals import Bounds, Mask
 from .model import _phase, dtypes, work
 from .schedule import pair_matrix
 from .transport.nodes import Nodes
-from .twolevel import block_owner
+from .twolevel import block_owner, choose_mode
 
 __all__ = ["predict_ring", "scale_row", "RINGS"]
 
@@ -35,13 +37,20 @@ RINGS = ("flat", "two-level", "head-parallel")  # what ``scale_row`` compares
 
 
 def _two_level_phase(shape, machine, nodes, layout, mode, pairs):
-    """(time, compute per rank, inter-node bytes per rank) of one two-level phase."""
+    """(time, compute per rank, inter-node bytes per rank) of one two-level phase (``mode``:
+    "forward", or the backward's "burst", "ring" or "two-way")."""
     P, N, g = len(nodes.node_of), nodes.count, len(nodes.members[0])
     dt, acc = dtypes(shape)
     dims = (shape.batch, layout.max_count, shape.heads, shape.kv_heads, shape.head_dim, shape.head_dim_v)
-    packet, partial = ring.packet_fields("forward" if mode == "forward" else "ring", dims, dt, acc)
-    pb, qb = ring.nbytes(packet), ring.nbytes(partial)
+    if mode == "two-way":  # K/V one way, the query side the other, nothing home
+        pb, qb = sum(ring.nbytes(ring.packet_fields(m, dims, dt, acc)[0]) for m in ("forward", "burst")), 0
+    else:
+        pb, qb = (ring.nbytes(f) for f in ring.packet_fields(mode, dims, dt, acc))
     per_pair, rate = work(shape, machine, mode)
+    if mode == "two-way":
+        per_pair *= 7 / 5
+    if mode == "burst":  # the holder's keys against the travelling queries
+        pairs = np.asarray(pairs).T
     x_in = machine.intra_latency_us * 1e-6 + (pb + qb) / (machine.intra_gbps * 1e9)
     link = lambda nbytes: machine.inter_latency_us * 1e-6 + nbytes / (machine.inter_gbps * 1e9)
     total, compute, inter = 0.0, np.zeros(P), np.zeros(P)
@@ -93,9 +102,10 @@ def predict_ring(shape, machine, P, layout, topology="flat", head_parallel=1, ra
                               ("do", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
     spread = ring_nodes.count > 1 and ring_nodes.equal and len(ring_nodes.members[0]) > 1
     if topology == "two-level" and spread:
+        dims = (inner.batch, lay.max_count, inner.heads, inner.kv_heads, inner.head_dim, inner.head_dim_v)
+        mode = choose_mode(bwd_mode or "auto", dims, dtypes(inner)[0])
         f = _two_level_phase(inner, machine, ring_nodes, lay, "forward", pairs)
-        b = _two_level_phase(inner, machine, ring_nodes, lay, "ring", pairs)
-        mode = "ring"
+        b = _two_level_phase(inner, machine, ring_nodes, lay, mode, pairs)
         inter = float((f[2] + b[2]).max())
     else:
         mode = bwd_mode or "burst"

@@ -126,9 +126,9 @@ class BurstAttention:
         "flat": one ring in rank order. "two-level": a ring inside each node and one
         between nodes, linking the ranks of equal local rank, its transfer hidden behind
         a whole inner cycle (``burstmpi.twolevel``; nodes of equal size, host arrays,
-        the backward circulates K/V). "auto": two-level where the ranks span several
-        equal nodes of 2+ ranks, the arrays are on the host and ``bwd_comm`` is "auto" or
-        "ring", else flat. ``last_stats.topology`` says which ran. Nodes:
+        every ``bwd_comm``; "auto" takes "burst" or "ring", whichever moves fewer bytes).
+        "auto": two-level where the ranks span several equal nodes of 2+ ranks and the
+        arrays are on the host, else flat. ``last_stats.topology`` says which ran. Nodes:
         ``burstmpi.transport.nodes`` (``BURSTMPI_RANKS_PER_NODE``).
     head_parallel : int, default 1
         u > 1: groups of u consecutive ranks of one node share the heads (an all-to-all
@@ -314,7 +314,7 @@ class BurstAttention:
             return self.topology
         nodes = self.runtime.nodes
         spread = nodes.count > 1 and nodes.equal and len(nodes.members[0]) > 1
-        return "two-level" if spread and kind != "cuda" and self.bwd_comm in ("auto", "ring") else "flat"
+        return "two-level" if spread and kind != "cuda" else "flat"
 
     def _transport_name(self, topology):
         """``last_stats.transport`` after a call: the call may have fallen back to MPI, and
@@ -379,11 +379,12 @@ class BurstAttention:
             self.last_stats.topology = self._heads.topology
             return like(dq, q), like(dk, k), like(dv, v)
         topology = self.last_stats.topology = self._ring_topology(self.backend.name)
-        mode = "ring" if topology == "two-level" else self.choose_bwd_mode(dims, h["q"].dtype)
+        mode = (twolevel.choose_mode(self.bwd_comm, dims, h["q"].dtype) if topology == "two-level"
+                else self.choose_bwd_mode(dims, h["q"].dtype))
         args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)
         with abort_on_device_error(self.comm):
             if topology == "two-level":
-                dq, dk, dv, st = twolevel.backward(self, *args)
+                dq, dk, dv, st = twolevel.backward(self, mode, *args)
             elif mode == "two-way":
                 dq, dk, dv, st = twoway.backward(self, *args)
             else:

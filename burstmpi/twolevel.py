@@ -15,11 +15,15 @@ i - s: all N x g pairs), so the forward's online softmax and the gradients are t
 ring's, merged in another fixed order: results are bitwise deterministic, and accumulate
 in float32 (float64 for float64 inputs) as there.
 
-The backward circulates K and V (``bwd_comm="ring"``'s choice of what travels) with their
-dK/dV partials: a partial follows its block around one node's inner ring, gathering that
-node's contributions, and goes home from the loop's last holder straight to the block's
-owner. The owner adds the partial of cycle o at the start of cycle o + 2 (the last two
-after the phase), so the home transfer hides behind a cycle of compute too.
+The backward runs every mode of the flat ring's. ``"ring"`` circulates K and V with their
+dK/dV partials, ``"burst"`` the query side (Q, dO, D, lse) with its dQ partial: a partial
+follows its block around one node's inner ring, gathering that node's contributions, and
+goes home from the loop's last holder straight to the block's owner. The owner adds the
+partial of cycle o at the start of cycle o + 2 (the last two after the phase), so the home
+transfer hides behind a cycle of compute too. ``"two-way"`` sends K/V along the rings and
+the query side against them (a second pair of rings, mirrored: cycle o, step s holds the
+queries of rank (n + o, i + s)); nothing goes home, and each rank adds dQ of its queries
+and dK/dV of its keys itself, as the flat two-way ring does.
 
 Inner and outer transfers use communicators of their own (split from the plan's), so
 they match only among themselves; the home partials use the plan's. Packets carry a
@@ -31,16 +35,18 @@ buffers are the plan's, kept from call to call while the shapes stay
 
 import time
 
+import numpy as np
+
 from .config import settings
 from .ring import (Timer, _rows, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces,
-                   key_operands, packet_fields)
+                   key_operands, nbytes, packet_fields)
 from .transport.comm import Channel, MPITransport, Packet, split_once
 from .transport.nodes import Nodes
 from .transport.slowlinks import SlowLinksTransport
 
-__all__ = ["check_two_level", "block_owner", "transport_name", "forward", "backward"]
+__all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward", "backward"]
 
-TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME = 41, 42, 43, 44
+TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME, TAG_Q_INNER, TAG_Q_OUTER = 41, 42, 43, 44, 45, 46
 
 
 def check_two_level(fn, nodes, kind):
@@ -81,19 +87,33 @@ class _Rings:
             self._kept[key] = make(alloc)
         return self._kept[key]
 
-    def owner(self, o, s):
-        """The world rank whose block this rank holds at cycle o, step s."""
-        return block_owner(self.members, self.node, self.local, o, s)
+    def owner(self, o, s, sign=1):
+        """The world rank whose block this rank holds at cycle o, step s (``sign`` -1: on the
+        mirrored rings)."""
+        return block_owner(self.members, self.node, self.local, sign * o, sign * s)
 
-    def channel(self, transport, fields, size, me, tag, alloc):
-        return Channel(transport, fields, send_to=(me + 1) % size, recv_from=(me - 1) % size, tag=tag,
+    def channel(self, transport, fields, size, me, tag, alloc, sign):
+        return Channel(transport, fields, send_to=(me + sign) % size, recv_from=(me - sign) % size, tag=tag,
                        alloc=alloc, single=size == 1)
 
 
 def block_owner(members, node, local, o, s):
     """The rank whose block local rank ``local`` of node ``node`` holds at cycle o, step s
-    (``members``: ``Nodes.members``, equal nodes)."""
+    (``members``: ``Nodes.members``, equal nodes; negative o and s: the mirrored rings)."""
     return members[(node - o) % len(members)][(local - s) % len(members[0])]
+
+
+def choose_mode(bwd_comm, dims, dtype):
+    """The backward mode of a two-level call: ``bwd_comm``, or for "auto" "burst" or "ring",
+    whichever moves fewer bytes a hop (its packets do not shrink, so the full packet and
+    partial decide; ties go to "burst", as on the flat ring). "two-way" only when asked
+    for: it splits the backward into two passes over the scores, which costs the host
+    backend more compute than it saves bytes."""
+    if bwd_comm != "auto":
+        return bwd_comm
+    acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    cost = {mode: sum(nbytes(f) for f in packet_fields(mode, dims, dtype, acc)) for mode in ("burst", "ring")}
+    return min(cost, key=cost.get)
 
 
 def transport_name(plan):
@@ -117,33 +137,45 @@ def _seed(inner, outer, n):
         view[...] = src[name]
 
 
-def _steps(r, count, inner, outer, timer):
-    """Yield (o, s, owner, packet views) for every step, posting and waiting the inner and
-    outer transfers around them (``count``: rows of a rank's block)."""
+def _steps(r, count, rings, timer):
+    """Yield (o, s, [(owner, packet views) per ring pair]) for every step, posting and
+    waiting the inner and outer transfers around them (``count``: rows of a rank's block;
+    ``rings``: (inner, outer, sign) pairs of channels, run in lockstep)."""
     for o in range(r.N):
-        seed = r.owner(o, 0)
-        if o < r.N - 1:
-            outer.post(send=True, recv=True, send_rows=count(seed), recv_rows=count(r.owner(o + 1, 0)))
-        _seed(inner, outer, count(seed))
+        for inner, outer, sign in rings:
+            seed = r.owner(o, 0, sign)
+            if o < r.N - 1:
+                outer.post(send=True, recv=True, send_rows=count(seed), recv_rows=count(r.owner(o + 1, 0, sign)))
+            _seed(inner, outer, count(seed))
         for s in range(r.g):
-            w = r.owner(o, s)
             if s < r.g - 1:
-                inner.post(send=True, recv=True, send_rows=count(w), recv_rows=count(r.owner(o, s + 1)))
-            yield o, s, w, inner.current
+                for inner, _, sign in rings:
+                    inner.post(send=True, recv=True, send_rows=count(r.owner(o, s, sign)),
+                               recv_rows=count(r.owner(o, s + 1, sign)))
+            yield o, s, [(r.owner(o, s, sign), inner.current) for inner, _, sign in rings]
             if s < r.g - 1:
-                timer.run("wait", inner.wait)
+                for inner, _, _ in rings:
+                    timer.run("wait", inner.wait)
         if o < r.N - 1:
-            timer.run("wait", outer.wait)
+            for _, outer, _ in rings:
+                timer.run("wait", outer.wait)
 
 
-def _channels(r, fields, be):
-    """The inner and outer rings' channels for packets of ``fields``, ready for a phase."""
-    inner, outer = r.kept(("channels", _key(fields)), lambda alloc: (
-        r.channel(r.t_inner, fields, r.g, r.local, TAG_INNER, alloc),
-        r.channel(r.t_outer, fields, r.N, r.node, TAG_OUTER, alloc)), be)
+def _channels(r, fields, be, sign=1, tags=(TAG_INNER, TAG_OUTER)):
+    """The inner and outer rings' channels for packets of ``fields`` going ``sign``, ready
+    for a phase: (inner, outer, sign)."""
+    inner, outer = r.kept(("channels", _key(fields), sign), lambda alloc: (
+        r.channel(r.t_inner, fields, r.g, r.local, tags[0], alloc, sign),
+        r.channel(r.t_outer, fields, r.N, r.node, tags[1], alloc, sign)), be)
     inner.begin()
     outer.begin()
-    return inner, outer
+    return inner, outer, sign
+
+
+def _load(ring, home, C):
+    """Our block into the outer ring's packet, where cycle 0 seeds the inner ring from."""
+    for name, view in ring[1].fill(C).items():
+        view[...] = home[name]
 
 
 def _key(fields):
@@ -169,17 +201,16 @@ def forward(plan, q, k, v, dims):
     r = _rings(plan)
     lay = geo.layout
     packet, _ = packet_fields("forward", (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
-    inner, outer = _channels(r, packet, be)
+    ring = _channels(r, packet, be)
     timer, t_start = Timer(), time.perf_counter()
-    home = key_operands(k, v)
-    for name, view in outer.fill(C).items():
-        view[...] = home[name]
+    _load(ring, key_operands(k, v), C)
+    inner, outer, _ = ring
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.block("q", plan.rank)
     owners = []
     poll = lambda: any([inner.progress(), outer.progress()])
-    for o, s, w, views in _steps(r, lay.count, inner, outer, timer):
+    for _, _, [(w, views)] in _steps(r, lay.count, [ring], timer):
         if geo.pairs(plan.rank, w) == 0:
             continue
         owners.append(w)
@@ -243,16 +274,21 @@ class _Home:
         self.sreq = [None, None]
 
 
-def backward(plan, dout, q, k, v, out, lse, dims):
-    """Return (dq, dk, dv, stats): K, V and their dK/dV partials on the two rings."""
+def backward(plan, mode, dout, q, k, v, out, lse, dims):
+    """Return (dq, dk, dv, stats) in ``mode``: "ring" (K, V and their dK/dV partials on the
+    two rings), "burst" (the query side and its dQ partial) or "two-way"."""
+    if mode == "two-way":
+        return _backward_two_way(plan, dout, q, k, v, out, lse, dims)
     be, geo = plan.backend, plan.geometry
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
     r = _rings(plan)
     lay = geo.layout
     count = lay.count
-    packet, partial = packet_fields("ring", (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
-    inner, outer = _channels(r, packet, be)
+    burst = mode == "burst"
+    packet, partial = packet_fields(mode, (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
+    ring = _channels(r, packet, be)
+    inner, outer, _ = ring
     # A partial passes to the next rank of the node with its block (two buffers, each reused
     # once its send is done), or goes home; ``incoming``: the previous rank's partial of the
     # block in hand.
@@ -261,10 +297,14 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     home.begin(plan.transport)
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    for name, view in outer.fill(C).items():
-        view[...] = home_k[name]
-    qb = geo.block("q", plan.rank)
+    if burst:  # K and V stay home for every step: as the tiles read them, once
+        home_k = be.resident_keys(home_k["k"], home_k["v"], acc)
+    _load(ring, home_q if burst else home_k, C)
     me = plan.rank
+    qb_me, kb_me = geo.block("q", me), geo.block("k", me)
+    # The pairs the holder computes of owner w's block: w's queries against our keys
+    # (burst), or ours against w's keys.
+    visible = (lambda w: geo.pairs(w, me)) if burst else (lambda w: geo.pairs(me, w))
     # Cycle o's partial of our block comes home from the last holder of its loop in node
     # n + o (none at cycle 0 when a node has one rank: we held it alone).
     has_home = [o > 0 or r.g > 1 for o in range(r.N)]
@@ -274,7 +314,7 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     poll = lambda: any([inner.progress(), outer.progress(), bool(home.pending()) and not
                         plan.transport.progress(home.pending())])
     pb_index = 0
-    for o, s, w, views in _steps(r, count, inner, outer, timer):
+    for o, s, [(w, views)] in _steps(r, count, [ring], timer):
         if s == 0:
             while pend and len(pend) >= 2:  # the older of the two landing buffers: add it now
                 _add(timer, home, grads, pend.pop(0))
@@ -296,12 +336,13 @@ def backward(plan, dout, q, k, v, out, lse, dims):
                 ipart_req[pb_index] = None
             buf.message(rows).fill(0)
             pv = buf.views(rows)
-            target = {"dq": grads["dq"], "dk": pv["dk"], "dv": pv["dv"]}
-        if geo.pairs(me, w):
+            target = {**grads, **pv}
+        if visible(w):
             owners.append(w)
-            timer.run("compute", bwd_pieces, be, home_q["q"], home_q["do"], home_q["D"], home_q["lse"],
-                      views["k"], views["v"], target["dq"], target["dk"], target["dv"],
-                      geo.pieces(qb, geo.block("k", w)), plan.scale, poll=poll)
+            qs, ks, qb, kb = ((views, home_k, geo.block("q", w), kb_me) if burst else
+                              (home_q, views, qb_me, geo.block("k", w)))
+            timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
+                      target["dq"], target["dk"], target["dv"], geo.pieces(qb, kb), plan.scale, poll=poll)
         if own:
             continue
         if ipart_recv is not None:  # the previous holder's partial of this block: added after ours
@@ -323,7 +364,7 @@ def backward(plan, dout, q, k, v, out, lse, dims):
     for p in pend:
         _add(timer, home, grads, p)
     dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
-    pairs = sum(geo.pairs(me, w) for w in owners)
+    pairs = sum(visible(w) for w in owners)
     st = _stats(plan, inner.bytes_sent + inner_sent, outer.bytes_sent, home.sent,
                 inner.bytes_recv + outer.bytes_recv + inner_recv + home.received_bytes, owners, pairs, timer, t_start)
     return dq, dk, dvv, st
@@ -332,3 +373,50 @@ def backward(plan, dout, q, k, v, out, lse, dims):
 def _add(timer, home, grads, slot):
     for name, view in timer.run("wait", home.received, slot).items():
         grads[name][...] += view
+
+
+def _backward_two_way(plan, dout, q, k, v, out, lse, dims):
+    """K/V on the rings, the query side on the mirrored rings, nothing home: dQ of our
+    queries from every K/V block that reaches us, dK/dV of our keys from every query block
+    (the flat two-way ring's split, ``burstmpi.twoway``)."""
+    be, geo = plan.backend, plan.geometry
+    B, C, Z, Zkv, d, dv = dims
+    acc = be.acc_dtype(q.dtype)
+    r = _rings(plan)
+    lay = geo.layout
+    rows = (B, lay.max_count, Z, Zkv, d, dv)
+    kv_ring = _channels(r, packet_fields("forward", rows, q.dtype, acc)[0], be)
+    q_ring = _channels(r, packet_fields("burst", rows, q.dtype, acc)[0], be, -1, (TAG_Q_INNER, TAG_Q_OUTER))
+    timer, t_start = Timer(), time.perf_counter()
+    home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
+    _load(kv_ring, home_k, C)
+    _load(q_ring, home_q, C)
+    me = plan.rank
+    qb_me, kb_me = geo.block("q", me), geo.block("k", me)
+    rings = (kv_ring, q_ring)
+    poll = lambda: any([c.progress() for ring in rings for c in ring[:2]])
+    owners, pairs = [], 0
+
+    def run(qs, ks, dq, dk, dv_, qb, kb):
+        timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
+                  dq, dk, dv_, geo.pieces(qb, kb), plan.scale, poll=poll)
+
+    for o, s, [(wk, kv), (wq, qv)] in _steps(r, lay.count, rings, timer):
+        if o == 0 and s == 0:  # our own block, once, for all three gradients
+            if geo.pairs(me, me):
+                owners.append(me)
+                pairs += geo.pairs(me, me)
+                run(home_q, home_k, grads["dq"], grads["dk"], grads["dv"], qb_me, kb_me)
+            continue
+        if geo.pairs(me, wk):  # their keys: dQ of our queries
+            owners.append(wk)
+            pairs += geo.pairs(me, wk)
+            run(home_q, kv, grads["dq"], None, None, qb_me, geo.block("k", wk))
+        if geo.pairs(wq, me):  # their queries: dK, dV of our keys
+            owners.append(wq)
+            pairs += geo.pairs(wq, me)
+            run(qv, home_k, None, grads["dk"], grads["dv"], geo.block("q", wq), kb_me)
+    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
+    sent = sum(ring[0].bytes_sent for ring in rings), sum(ring[1].bytes_sent for ring in rings)
+    received = sum(c.bytes_recv for ring in rings for c in ring[:2])
+    return dq, dk, dvv, _stats(plan, sent[0], sent[1], {}, received, owners, pairs, timer, t_start)

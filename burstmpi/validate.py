@@ -74,9 +74,6 @@ def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto",
         raise ValueError(f"{fn}: head_parallel: expected an integer >= 1, got {head_parallel!r}")
     if topology not in TOPOLOGIES:
         raise ValueError(f"{fn}: topology: expected one of {TOPOLOGIES}, got {topology!r}")
-    if topology == "two-level" and bwd_comm in ("burst", "two-way"):
-        raise ValueError(f"{fn}: bwd_comm: the two-level ring's backward circulates K/V ('ring' or 'auto'), "
-                         f"got {bwd_comm!r}")
 
 
 def _dtype_name(x):

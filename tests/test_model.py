@@ -71,7 +71,7 @@ def test_topologies_bytes_across_nodes():
     m = model.Machine("m", 10, 10, intra_gbps=10, inter_gbps=1, ranks_per_node=g)
     kv = 2 * e * B * C * Z * d / 1e6
     flat = predict_ring(shape, m, P, "contiguous", "flat", bwd_mode="ring")
-    two = predict_ring(shape, m, P, "contiguous", "two-level")
+    two = predict_ring(shape, m, P, "contiguous", "two-level", bwd_mode="ring")
     heads = predict_ring(shape, m, P, "contiguous", "flat", head_parallel=g, bwd_mode="ring")
     partial = 2 * 4 * B * C * Z * d / 1e6  # dK, dV in float32
     assert flat["inter_mb"] == pytest.approx((P - 1) * (2 * kv + partial))

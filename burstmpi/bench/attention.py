@@ -601,8 +601,7 @@ def main(comm, ctx, o):
                for lay in choices(layout, LAYOUTS)
                for bw in choices(o["bwd_comm"], ["burst", "ring", "two-way"])  # "all": side by side
                for u in o["head_parallel"]
-               for topo in o["topology"]
-               if not (topo == "two-level" and bw in ("burst", "two-way"))]  # its backward circulates K/V
+               for topo in o["topology"]]
     params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=o["iters"], warmup=o["warmup"],
                   check=o["check"], dtype=dtype, average=REDUCE[o["reduce"]][0], batch=o["batch"], heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
