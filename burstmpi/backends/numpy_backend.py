@@ -279,7 +279,10 @@ class NumpyBackend:
     def resident_keys(self, k, v, acc):
         """The key side of a phase whose K and V stay home at every step (the burst
         backward), as every step's tiles read it: converted once here instead of once per
-        step (each ``_blocks`` then takes it as it is): {k, v}."""
+        step (each ``_blocks`` then takes it as it is): {k, v}. A converted copy lives in
+        the workspace's "k"/"v" slots, which the next conversion of other keys overwrites:
+        only for a phase in which no other key block is converted (the two-level two-way
+        backward, whose travelling K/V would be, reads its home keys as they are)."""
         k, v = self._blocks(k, v, np.dtype(acc))
         return {"k": k, "v": v}
 
