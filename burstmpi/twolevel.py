@@ -26,7 +26,11 @@ queries of rank (n + o, i + s)); nothing goes home, and each rank adds dQ of its
 and dK/dV of its keys itself, as the flat two-way ring does.
 
 Inner and outer transfers use communicators of their own (split from the plan's), so
-they match only among themselves; the home partials use the plan's. Packets carry a
+they match only among themselves; the home partials use the plan's. On each, a rank posts
+its transfers to a peer in the order the peer receives them, so they pair without tags,
+first in first out, as NCCL pairs them (the tests run the rings over such a transport,
+``tests/fifo_transport.py``): a partial's receive goes before the step's packets, as its
+sender sent it after the packet of its previous step (``_steps(first=)``). Packets carry a
 rank's whole block (no shrinking, as the flat ring does for masks), and steps with no
 visible pair skip their compute, not their transfer. Host arrays, MPI transports. The
 buffers are the plan's, kept from call to call while the shapes stay
@@ -47,6 +51,10 @@ from .transport.slowlinks import SlowLinksTransport
 __all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward", "backward"]
 
 TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME, TAG_Q_INNER, TAG_Q_OUTER = 41, 42, 43, 44, 45, 46
+# The inner and outer rings' transport class. The tests put an ordered fake here
+# (tests/fifo_transport.py: NCCL's first-in first-out matching, tags only checked), so
+# every rank must post its transfers to a peer in the order that peer receives them.
+RING_TRANSPORT = MPITransport
 
 
 def check_two_level(fn, nodes, kind):
@@ -71,9 +79,9 @@ class _Rings:
         self.inner, self.outer = split_once(comm, ("two-level", nodes.node_of),
                                             [(self.node, self.local), (self.local, self.node)])
         gbps = settings().internode_gbps
-        self.t_inner = MPITransport(self.inner)
+        self.t_inner = RING_TRANSPORT(self.inner)
         self.t_outer = (SlowLinksTransport(self.outer, Nodes(range(self.N), self.node), gbps) if gbps
-                        else MPITransport(self.outer))
+                        else RING_TRANSPORT(self.outer))
         for t in (self.t_inner, self.t_outer):
             t.idle = plan.transport.idle
         self._kept, self.nbytes = {}, 0
@@ -137,10 +145,12 @@ def _seed(inner, outer, n):
         view[...] = src[name]
 
 
-def _steps(r, count, rings, timer):
+def _steps(r, count, rings, timer, first=None):
     """Yield (o, s, [(owner, packet views) per ring pair]) for every step, posting and
     waiting the inner and outer transfers around them (``count``: rows of a rank's block;
-    ``rings``: (inner, outer, sign) pairs of channels, run in lockstep)."""
+    ``rings``: (inner, outer, sign) pairs of channels, run in lockstep). ``first(o, s)``
+    posts what the step must post before its ring transfers (a partial's receive: a peer
+    sends it before the next packet, and NCCL matches in order)."""
     for o in range(r.N):
         for inner, outer, sign in rings:
             seed = r.owner(o, 0, sign)
@@ -148,6 +158,8 @@ def _steps(r, count, rings, timer):
                 outer.post(send=True, recv=True, send_rows=count(seed), recv_rows=count(r.owner(o + 1, 0, sign)))
             _seed(inner, outer, count(seed))
         for s in range(r.g):
+            if first is not None:
+                first(o, s)
             if s < r.g - 1:
                 for inner, _, sign in rings:
                     inner.post(send=True, recv=True, send_rows=count(r.owner(o, s, sign)),
@@ -314,7 +326,18 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     poll = lambda: any([inner.progress(), outer.progress(), bool(home.pending()) and not
                         plan.transport.progress(home.pending())])
     pb_index = 0
-    for o, s, [(w, views)] in _steps(r, count, [ring], timer):
+
+    def first(o, s):
+        # The previous rank of the node sent its partial of the block we hold now after
+        # its step's compute, after the packet for our step and before the next one: its
+        # receive goes before this step's ring transfers, in that order.
+        nonlocal ipart_recv, inner_recv
+        if s >= 1 and not (o == 0 and s == 1):  # the previous holder made a partial of it
+            into = incoming.message(count(r.owner(o, s)))
+            ipart_recv = r.t_inner.irecv(into, (r.local - 1) % r.g, TAG_PARTIAL)
+            inner_recv += into.nbytes
+
+    for o, s, [(w, views)] in _steps(r, count, [ring], timer, first):
         if s == 0:
             while pend and len(pend) >= 2:  # the older of the two landing buffers: add it now
                 _add(timer, home, grads, pend.pop(0))
@@ -323,10 +346,6 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
                 pend.append(o % 2)
         own = o == 0 and s == 0  # our own block: straight into our accumulators
         rows = count(w)
-        if s >= 1 and not (o == 0 and s == 1):  # the previous holder made a partial of it
-            into = incoming.message(rows)
-            ipart_recv = r.t_inner.irecv(into, (r.local - 1) % r.g, TAG_PARTIAL)
-            inner_recv += into.nbytes
         if own:
             target = grads
         else:
