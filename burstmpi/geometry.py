@@ -140,13 +140,22 @@ class Geometry:
         few rows go on alone once the window's rows have reached their one reader (cached)."""
         P = self.layout.nranks
         arc = P - 1 if arc is None else arc
-        key = ("route", role, rank, direction, arc)
+
+        def when():
+            step = (direction * (np.arange(P) - rank)) % P  # when each rank holds the packet
+            return np.where(step <= arc, step, 0)            # the other way serves those past the arc
+        return self.route_along(role, rank, (direction, arc), when)
+
+    def route_along(self, role, rank, path, when):
+        """``route`` for a packet that reaches the ranks in any order: ``when()`` gives the
+        step at which each rank holds it (0: never, or it is the owner), ``path`` names that
+        order for the cache (the two-level ring's: ``burstmpi.twolevel``)."""
+        key = ("route", role, rank, path)
         out = self._blocks.get(key)
         if out is None:
+            P = self.layout.nranks
             reads = self._readers(role, rank)
-            step = (direction * (np.arange(P) - rank)) % P  # when each rank holds the packet
-            step = np.where(step <= arc, step, 0)            # the other way serves those past the arc
-            reach = (reads * step[:, None]).max(axis=0) if P > 1 else np.zeros(reads.shape[1], np.int64)
+            reach = (reads * np.asarray(when())[:, None]).max(axis=0) if P > 1 else np.zeros(reads.shape[1], np.int64)
             leave = np.count_nonzero(reach)
             order = np.lexsort((np.arange(len(reach)), -reach))[:leave]
             held = np.array([leave] + [int(np.count_nonzero(reach >= t)) for t in range(1, P)], dtype=np.int64)
@@ -157,10 +166,16 @@ class Geometry:
         """What the holder at step t computes on from ``owner``'s packet (``route``):
         (a, b, BlockSet) for each run of its rows [a, b) whose positions increase (one run
         per reach, fewer where runs follow on in position) (cached)."""
-        key = ("carried", role, owner, direction, t, arc)
+        arc = self.layout.nranks - 1 if arc is None else arc
+        self.route(role, owner, direction, arc)
+        return self.carried_along(role, owner, (direction, arc), t)
+
+    def carried_along(self, role, owner, path, t):
+        """``carried`` for a packet on ``path``, whose ``route_along`` was made before."""
+        key = ("carried", role, owner, path, t)
         out = self._blocks.get(key)
         if out is None:
-            order, held = self.route(role, owner, direction, arc)
+            order, held = self._blocks[("route", role, owner, path)]
             rows = order[:held[t]]
             cuts = np.flatnonzero(np.diff(rows) < 0) + 1
             full = self.block(role, owner, travelling=True)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import ring, twolevel, twoway
+from . import ring, twolevel, twolevel_backward, twoway
 from .transport.comm import rows_bytes
 from .device import abort_on_device_error
 from .config import settings
@@ -384,7 +384,7 @@ class BurstAttention:
         args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)
         with abort_on_device_error(self.comm):
             if topology == "two-level":
-                dq, dk, dv, st = twolevel.backward(self, mode, *args)
+                dq, dk, dv, st = twolevel_backward.backward(self, mode, *args)
             elif mode == "two-way":
                 dq, dk, dv, st = twoway.backward(self, *args)
             else:

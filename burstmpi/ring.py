@@ -191,8 +191,13 @@ def runs(geo, role, owner, direction, t, *packets, arc=None):
     """For each run of rows the holder at step t computes on from ``owner``'s packet
     (``Geometry.carried``): (the run's rows of each of ``packets``, dicts of views such as
     the packet and its partial, BlockSet)."""
+    return cut_runs(geo.carried(role, owner, direction, t, arc), *packets)
+
+
+def cut_runs(carried, *packets):
+    """``carried``'s runs (a, b, BlockSet) as (rows a..b-1 of each of ``packets``, BlockSet)."""
     cut = lambda fields, a, b: {name: v[:, :, a:b] for name, v in fields.items()}
-    return [(tuple(cut(f, a, b) for f in packets), blk) for a, b, blk in geo.carried(role, owner, direction, t, arc)]
+    return [(tuple(cut(f, a, b) for f in packets), blk) for a, b, blk in carried]
 
 
 @functools.lru_cache(maxsize=256)

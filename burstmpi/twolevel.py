@@ -30,25 +30,31 @@ they match only among themselves; the home partials use the plan's. On each, a r
 its transfers to a peer in the order the peer receives them, so they pair without tags,
 first in first out, as NCCL pairs them (the tests run the rings over such a transport,
 ``tests/fifo_transport.py``): a partial's receive goes before the step's packets, as its
-sender sent it after the packet of its previous step (``_steps(first=)``). Packets carry a
-rank's whole block (no shrinking, as the flat ring does for masks), and steps with no
-visible pair skip their compute, not their transfer. Host arrays, MPI transports. The
+sender sent it after the packet of its previous step (``steps(first=)``).
+
+Under masks packets shrink as they go (``Route``): a hop carries only the rows that some
+later holder reads, and an outer hop only those that later nodes read, so the network
+carries no row no node ahead needs. A partial holds the rows its block brought to the
+node. Steps with no visible pair skip their compute; their transfer still runs, shrunk,
+often to nothing, so that every rank posts the same transfers in the same order. Host
+arrays, MPI transports. The
 buffers are the plan's, kept from call to call while the shapes stay
 (``BurstAttention.buffer_bytes`` counts them).
 """
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from .config import settings
-from .ring import (Timer, _rows, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces,
-                   key_operands, nbytes, packet_fields)
-from .transport.comm import Channel, MPITransport, Packet, split_once
+from .ring import (Timer, _rows, cut_runs, finish_forward, fwd_pieces, key_operands, load_packet, nbytes, packet_dims,
+                   packet_fields)
+from .transport.comm import Channel, MPITransport, split_once
 from .transport.nodes import Nodes
 from .transport.slowlinks import SlowLinksTransport
 
-__all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward", "backward"]
+__all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward"]
 
 TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME, TAG_Q_INNER, TAG_Q_OUTER = 41, 42, 43, 44, 45, 46
 # The inner and outer rings' transport class. The tests put an ordered fake here
@@ -76,6 +82,9 @@ class _Rings:
         self.node, self.local = nodes.node, nodes.local_rank
         self.N, self.g = nodes.count, len(nodes.members[0])
         self.members = nodes.members
+        self.where = [(n, nodes.members[n].index(x)) for x, n in enumerate(nodes.node_of)]  # (node, local rank)
+        # names this node map in the geometry's cache of routes (a string: its hash is kept)
+        self.path_name = "two-level:" + ",".join(map(str, nodes.node_of))
         self.inner, self.outer = split_once(comm, ("two-level", nodes.node_of),
                                             [(self.node, self.local), (self.local, self.node)])
         gbps = settings().internode_gbps
@@ -126,11 +135,11 @@ def choose_mode(bwd_comm, dims, dtype):
 
 def transport_name(plan):
     """What ``last_stats.transport`` says of a two-level call: its rings' transports."""
-    r = _rings(plan)
+    r = rings(plan)
     return f"two-level: inner {r.t_inner.name}, outer {r.t_outer.name}, partials home {plan.transport.name}"
 
 
-def _rings(plan):
+def rings(plan):
     rings = getattr(plan, "_rings", None)
     if rings is None:
         rings = plan._rings = _Rings(plan)  # collective: every rank's first two-level call
@@ -145,56 +154,101 @@ def _seed(inner, outer, n):
         view[...] = src[name]
 
 
-def _steps(r, count, rings, timer, first=None):
-    """Yield (o, s, [(owner, packet views) per ring pair]) for every step, posting and
-    waiting the inner and outer transfers around them (``count``: rows of a rank's block;
-    ``rings``: (inner, outer, sign) pairs of channels, run in lockstep). ``first(o, s)``
+class Route:
+    """How the blocks of one role ("k": keys, "q": queries) travel the rings going ``sign``
+    (``Geometry.route_along``). Rank (n, i) holds the block of rank (n', i') at step
+    t = o g + s of the phase: cycle o = (n - n') sign mod N, hop s = (i - i') sign mod g.
+    A packet carries only the rows some later holder reads, those read latest first: an
+    outer hop to cycle o + 1 carries the rows that nodes from the next one on read (the
+    network never carries a row no later node needs), an inner hop the rows read from its
+    next step on (in this node or later ones: the node's links are the fast ones)."""
+
+    def __init__(self, r, geo, role, sign):
+        self.r, self.geo, self.role, self.sign = r, geo, role, sign
+        self.path = (r.path_name, sign)
+
+    def _route(self, owner):
+        N, g, sign = self.r.N, self.r.g, self.sign
+        n0, i0 = self.r.where[owner]
+        when = lambda: np.array([(sign * (n - n0)) % N * g + (sign * (i - i0)) % g for n, i in self.r.where])
+        return self.geo.route_along(self.role, owner, self.path, when)
+
+    def rows(self, owner, t):
+        """Rows of ``owner``'s packet that its holder at step t has."""
+        return int(self._route(owner)[1][t])
+
+    def mine(self, rank):
+        """``rank``'s local rows that leave home, in packet order."""
+        return self.geo.travelling_rows(self.role, rank)[self._route(rank)[0]]
+
+    def runs(self, owner, t, *packets):
+        """``ring.cut_runs`` of what the holder at step t computes on from ``owner``'s packet."""
+        self._route(owner)
+        return cut_runs(self.geo.carried_along(self.role, owner, self.path, t), *packets)
+
+
+class _Ring(NamedTuple):
+    inner: Channel
+    outer: Channel
+    route: Route
+
+
+def steps(r, rings, timer, first=None):
+    """Yield (o, s, t, [(owner, packet views) per ring]) for every step t = o g + s,
+    posting and waiting the inner and outer transfers around it (``rings``: ``_Ring``s,
+    run in lockstep; each hop carries the rows its route keeps aboard). ``first(o, s)``
     posts what the step must post before its ring transfers (a partial's receive: a peer
     sends it before the next packet, and NCCL matches in order)."""
+    g = r.g
     for o in range(r.N):
-        for inner, outer, sign in rings:
+        for ring in rings:
+            sign, route = ring.route.sign, ring.route
             seed = r.owner(o, 0, sign)
             if o < r.N - 1:
-                outer.post(send=True, recv=True, send_rows=count(seed), recv_rows=count(r.owner(o + 1, 0, sign)))
-            _seed(inner, outer, count(seed))
-        for s in range(r.g):
+                ring.outer.post(send=True, recv=True, send_rows=route.rows(seed, (o + 1) * g),
+                                recv_rows=route.rows(r.owner(o + 1, 0, sign), (o + 1) * g))
+            _seed(ring.inner, ring.outer, route.rows(seed, o * g))
+        for s in range(g):
+            t = o * g + s
             if first is not None:
                 first(o, s)
-            if s < r.g - 1:
-                for inner, _, sign in rings:
-                    inner.post(send=True, recv=True, send_rows=count(r.owner(o, s, sign)),
-                               recv_rows=count(r.owner(o, s + 1, sign)))
-            yield o, s, [(r.owner(o, s, sign), inner.current) for inner, _, sign in rings]
-            if s < r.g - 1:
-                for inner, _, _ in rings:
-                    timer.run("wait", inner.wait)
+            if s < g - 1:
+                for ring in rings:
+                    sign, route = ring.route.sign, ring.route
+                    ring.inner.post(send=True, recv=True, send_rows=route.rows(r.owner(o, s, sign), t + 1),
+                                    recv_rows=route.rows(r.owner(o, s + 1, sign), t + 1))
+            yield o, s, t, [(r.owner(o, s, ring.route.sign), ring.inner.current) for ring in rings]
+            if s < g - 1:
+                for ring in rings:
+                    timer.run("wait", ring.inner.wait)
         if o < r.N - 1:
-            for _, outer, _ in rings:
-                timer.run("wait", outer.wait)
+            for ring in rings:
+                timer.run("wait", ring.outer.wait)
 
 
-def _channels(r, fields, be, sign=1, tags=(TAG_INNER, TAG_OUTER)):
-    """The inner and outer rings' channels for packets of ``fields`` going ``sign``, ready
-    for a phase: (inner, outer, sign)."""
-    inner, outer = r.kept(("channels", _key(fields), sign), lambda alloc: (
+def channels(r, fields, be, route, tags=(TAG_INNER, TAG_OUTER)):
+    """The inner and outer rings' channels for packets of ``fields`` on ``route``, ready
+    for a phase, with this rank's packet still to load (``_load``)."""
+    sign = route.sign
+    inner, outer = r.kept(("channels", key(fields), sign), lambda alloc: (
         r.channel(r.t_inner, fields, r.g, r.local, tags[0], alloc, sign),
         r.channel(r.t_outer, fields, r.N, r.node, tags[1], alloc, sign)), be)
     inner.begin()
     outer.begin()
-    return inner, outer, sign
+    return _Ring(inner, outer, route)
 
 
-def _load(ring, home, C):
-    """Our block into the outer ring's packet, where cycle 0 seeds the inner ring from."""
-    for name, view in ring[1].fill(C).items():
-        view[...] = home[name]
+def load(ring, home, me, xp):
+    """Our rows that leave home, in packet order, into the outer ring's packet (where cycle
+    0 seeds the inner ring from)."""
+    load_packet(ring.outer, home, ring.route.mine(me), xp)
 
 
-def _key(fields):
+def key(fields):
     return tuple((name, tuple(shape), str(dt)) for name, shape, dt in fields)
 
 
-def _stats(plan, sent_inner, sent_outer, sent_home, received, owners, pairs, timer, t_start):
+def stats(plan, sent_inner, sent_outer, sent_home, received, owners, pairs, timer, t_start):
     from .plan import PhaseStats
     home_inter = sum(n for dest, n in sent_home.items() if plan.runtime.nodes.remote(plan.rank, dest))
     total = sent_inner + sent_outer + sum(sent_home.values())
@@ -210,232 +264,28 @@ def forward(plan, q, k, v, dims):
     be, geo = plan.backend, plan.geometry
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
-    r = _rings(plan)
-    lay = geo.layout
-    packet, _ = packet_fields("forward", (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
-    ring = _channels(r, packet, be)
+    r = rings(plan)
+    me = plan.rank
+    packet, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
+    ring = channels(r, packet, be, Route(r, geo, "k", 1))
     timer, t_start = Timer(), time.perf_counter()
-    _load(ring, key_operands(k, v), C)
-    inner, outer, _ = ring
+    home = key_operands(k, v)
+    load(ring, home, me, be.xp)
     q_rows = _rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
-    qb = geo.block("q", plan.rank)
+    qb = geo.block("q", me)
     owners = []
-    poll = lambda: any([inner.progress(), outer.progress()])
-    for _, _, [(w, views)] in _steps(r, lay.count, [ring], timer):
-        if geo.pairs(plan.rank, w) == 0:
+    poll = lambda: any([ring.inner.progress(), ring.outer.progress()])
+    for _, _, t, [(w, views)] in steps(r, [ring], timer):
+        if geo.pairs(me, w) == 0:
             continue
         owners.append(w)
-        timer.run("compute", fwd_pieces, be, q_rows, views["k"], views["v"], state,
-                  geo.pieces(qb, geo.block("k", w)), plan.scale, poll=poll)
+        parts = [(home, geo.block("k", me))] if t == 0 else [(ks, kb) for (ks,), kb in ring.route.runs(w, t, views)]
+        for ks, kb in parts:
+            timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), plan.scale,
+                      poll=poll)
     out, lse = finish_forward(be, state, q.dtype, dims)
-    pairs = sum(geo.pairs(plan.rank, w) for w in owners)
-    return out, lse, _stats(plan, inner.bytes_sent, outer.bytes_sent, {}, inner.bytes_recv + outer.bytes_recv,
+    pairs = sum(geo.pairs(me, w) for w in owners)
+    inner, outer = ring.inner, ring.outer
+    return out, lse, stats(plan, inner.bytes_sent, outer.bytes_sent, {}, inner.bytes_recv + outer.bytes_recv,
                             owners, pairs, timer, t_start)
-
-
-class _Home:
-    """Partials going home across the plan's communicator: this rank's sends (two buffers,
-    each reused once its last send is done) and the receives of its own block's partials
-    (two buffers: cycle o's lands while cycle o - 1's waits to be added)."""
-
-    def __init__(self, fields, alloc):
-        self.send = [Packet(fields, alloc) for _ in range(2)]
-        self.recv = [Packet(fields, alloc) for _ in range(2)]
-
-    def begin(self, transport):
-        """A phase starts: on ``transport`` (the plan's), with nothing in flight."""
-        self.t = transport
-        self.sreq, self.rreq = [None, None], [None, None]
-        self.next, self.sent, self.received_bytes = 0, {}, 0
-        return self
-
-    def buffer(self, rows):
-        """Views of the next send buffer (its last send waited for), to copy a partial into."""
-        i = self.next
-        if self.sreq[i] is not None:
-            self.t.wait([self.sreq[i]])
-            self.sreq[i] = None
-        return self.send[i].views(rows)
-
-    def post_send(self, dest, rows):
-        i = self.next
-        out = self.send[i].message(rows)
-        self.sreq[i] = self.t.isend(out, dest, TAG_HOME)
-        self.sent[dest] = self.sent.get(dest, 0) + out.nbytes
-        self.next = 1 - i
-
-    def post_recv(self, slot, source, rows):
-        into = self.recv[slot].message(rows)
-        self.rreq[slot] = (self.t.irecv(into, source, TAG_HOME), rows)
-        self.received_bytes += into.nbytes
-
-    def received(self, slot):
-        req, rows = self.rreq[slot]
-        self.t.wait([req])
-        self.rreq[slot] = None
-        return self.recv[slot].views(rows)
-
-    def pending(self):
-        return [x for x in self.sreq if x is not None] + [x[0] for x in self.rreq if x is not None]
-
-    def drain(self):
-        reqs = [x for x in self.sreq if x is not None]
-        if reqs:
-            self.t.wait(reqs)
-        self.sreq = [None, None]
-
-
-def backward(plan, mode, dout, q, k, v, out, lse, dims):
-    """Return (dq, dk, dv, stats) in ``mode``: "ring" (K, V and their dK/dV partials on the
-    two rings), "burst" (the query side and its dQ partial) or "two-way"."""
-    if mode == "two-way":
-        return _backward_two_way(plan, dout, q, k, v, out, lse, dims)
-    be, geo = plan.backend, plan.geometry
-    B, C, Z, Zkv, d, dv = dims
-    acc = be.acc_dtype(q.dtype)
-    r = _rings(plan)
-    lay = geo.layout
-    count = lay.count
-    burst = mode == "burst"
-    packet, partial = packet_fields(mode, (B, lay.max_count, Z, Zkv, d, dv), q.dtype, acc)
-    ring = _channels(r, packet, be)
-    inner, outer, _ = ring
-    # A partial passes to the next rank of the node with its block (two buffers, each reused
-    # once its send is done), or goes home; ``incoming``: the previous rank's partial of the
-    # block in hand.
-    ipart, incoming, home = r.kept(("partials", _key(partial)), lambda alloc: (
-        [Packet(partial, alloc) for _ in range(2)], Packet(partial, alloc), _Home(partial, alloc)), be)
-    home.begin(plan.transport)
-    timer, t_start = Timer(), time.perf_counter()
-    home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    if burst:  # K and V stay home for every step: as the tiles read them, once
-        home_k = be.resident_keys(home_k["k"], home_k["v"], acc)
-    _load(ring, home_q if burst else home_k, C)
-    me = plan.rank
-    qb_me, kb_me = geo.block("q", me), geo.block("k", me)
-    # The pairs the holder computes of owner w's block: w's queries against our keys
-    # (burst), or ours against w's keys.
-    visible = (lambda w: geo.pairs(w, me)) if burst else (lambda w: geo.pairs(me, w))
-    # Cycle o's partial of our block comes home from the last holder of its loop in node
-    # n + o (none at cycle 0 when a node has one rank: we held it alone).
-    has_home = [o > 0 or r.g > 1 for o in range(r.N)]
-    last_holder = lambda o: r.members[(r.node + o) % r.N][(r.local - 1) % r.g]
-    pend = []  # slots of home partials posted, each added at the start of the cycle after next
-    owners, ipart_req, ipart_recv, inner_sent, inner_recv = [], [None, None], None, 0, 0
-    poll = lambda: any([inner.progress(), outer.progress(), bool(home.pending()) and not
-                        plan.transport.progress(home.pending())])
-    pb_index = 0
-
-    def first(o, s):
-        # The previous rank of the node sent its partial of the block we hold now after
-        # its step's compute, after the packet for our step and before the next one: its
-        # receive goes before this step's ring transfers, in that order.
-        nonlocal ipart_recv, inner_recv
-        if s >= 1 and not (o == 0 and s == 1):  # the previous holder made a partial of it
-            into = incoming.message(count(r.owner(o, s)))
-            ipart_recv = r.t_inner.irecv(into, (r.local - 1) % r.g, TAG_PARTIAL)
-            inner_recv += into.nbytes
-
-    for o, s, [(w, views)] in _steps(r, count, [ring], timer, first):
-        if s == 0:
-            while pend and len(pend) >= 2:  # the older of the two landing buffers: add it now
-                _add(timer, home, grads, pend.pop(0))
-            if has_home[o]:
-                home.post_recv(o % 2, last_holder(o), C)
-                pend.append(o % 2)
-        own = o == 0 and s == 0  # our own block: straight into our accumulators
-        rows = count(w)
-        if own:
-            target = grads
-        else:
-            buf = ipart[pb_index]
-            if ipart_req[pb_index] is not None:  # its last send is done before it is reused
-                timer.run("wait", r.t_inner.wait, [ipart_req[pb_index]])
-                ipart_req[pb_index] = None
-            buf.message(rows).fill(0)
-            pv = buf.views(rows)
-            target = {**grads, **pv}
-        if visible(w):
-            owners.append(w)
-            qs, ks, qb, kb = ((views, home_k, geo.block("q", w), kb_me) if burst else
-                              (home_q, views, qb_me, geo.block("k", w)))
-            timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
-                      target["dq"], target["dk"], target["dv"], geo.pieces(qb, kb), plan.scale, poll=poll)
-        if own:
-            continue
-        if ipart_recv is not None:  # the previous holder's partial of this block: added after ours
-            timer.run("wait", r.t_inner.wait, [ipart_recv])
-            for name, view in incoming.views(rows).items():
-                pv[name] += view
-            ipart_recv = None
-        if s < r.g - 1:  # on to the next rank of the node, with the block
-            msg = buf.message(rows)
-            ipart_req[pb_index] = r.t_inner.isend(msg, (r.local + 1) % r.g, TAG_PARTIAL)
-            inner_sent += msg.nbytes
-        else:  # the loop is done: home to the owner
-            for name, view in home.buffer(rows).items():
-                view[...] = pv[name]
-            home.post_send(w, rows)
-        pb_index = 1 - pb_index
-    timer.run("wait", r.t_inner.wait, [x for x in ipart_req if x is not None])
-    timer.run("wait", home.drain)
-    for p in pend:
-        _add(timer, home, grads, p)
-    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
-    pairs = sum(visible(w) for w in owners)
-    st = _stats(plan, inner.bytes_sent + inner_sent, outer.bytes_sent, home.sent,
-                inner.bytes_recv + outer.bytes_recv + inner_recv + home.received_bytes, owners, pairs, timer, t_start)
-    return dq, dk, dvv, st
-
-
-def _add(timer, home, grads, slot):
-    for name, view in timer.run("wait", home.received, slot).items():
-        grads[name][...] += view
-
-
-def _backward_two_way(plan, dout, q, k, v, out, lse, dims):
-    """K/V on the rings, the query side on the mirrored rings, nothing home: dQ of our
-    queries from every K/V block that reaches us, dK/dV of our keys from every query block
-    (the flat two-way ring's split, ``burstmpi.twoway``)."""
-    be, geo = plan.backend, plan.geometry
-    B, C, Z, Zkv, d, dv = dims
-    acc = be.acc_dtype(q.dtype)
-    r = _rings(plan)
-    lay = geo.layout
-    rows = (B, lay.max_count, Z, Zkv, d, dv)
-    kv_ring = _channels(r, packet_fields("forward", rows, q.dtype, acc)[0], be)
-    q_ring = _channels(r, packet_fields("burst", rows, q.dtype, acc)[0], be, -1, (TAG_Q_INNER, TAG_Q_OUTER))
-    timer, t_start = Timer(), time.perf_counter()
-    home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    _load(kv_ring, home_k, C)
-    _load(q_ring, home_q, C)
-    me = plan.rank
-    qb_me, kb_me = geo.block("q", me), geo.block("k", me)
-    rings = (kv_ring, q_ring)
-    poll = lambda: any([c.progress() for ring in rings for c in ring[:2]])
-    owners, pairs = [], 0
-
-    def run(qs, ks, dq, dk, dv_, qb, kb):
-        timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
-                  dq, dk, dv_, geo.pieces(qb, kb), plan.scale, poll=poll)
-
-    for o, s, [(wk, kv), (wq, qv)] in _steps(r, lay.count, rings, timer):
-        if o == 0 and s == 0:  # our own block, once, for all three gradients
-            if geo.pairs(me, me):
-                owners.append(me)
-                pairs += geo.pairs(me, me)
-                run(home_q, home_k, grads["dq"], grads["dk"], grads["dv"], qb_me, kb_me)
-            continue
-        if geo.pairs(me, wk):  # their keys: dQ of our queries
-            owners.append(wk)
-            pairs += geo.pairs(me, wk)
-            run(home_q, kv, grads["dq"], None, None, qb_me, geo.block("k", wk))
-        if geo.pairs(wq, me):  # their queries: dK, dV of our keys
-            owners.append(wq)
-            pairs += geo.pairs(wq, me)
-            run(qv, home_k, None, grads["dk"], grads["dv"], geo.block("q", wq), kb_me)
-    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
-    sent = sum(ring[0].bytes_sent for ring in rings), sum(ring[1].bytes_sent for ring in rings)
-    received = sum(c.bytes_recv for ring in rings for c in ring[:2])
-    return dq, dk, dvv, _stats(plan, sent[0], sent[1], {}, received, owners, pairs, timer, t_start)

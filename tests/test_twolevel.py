@@ -2,7 +2,7 @@
 results against float64 for every layout, dtype, GQA/MQA, masks, documents and backward
 mode, on fake nodes of every size that divides the ranks (BURSTMPI_RANKS_PER_NODE:
 one-rank nodes, one node, and all between); its schedule; its transfers paired in order
-as NCCL pairs them (``fifo_transport``); its bytes across nodes; what "auto" picks; bad
+as NCCL pairs them (``fifo_transport``); its bytes across nodes, dense and causal; what "auto" picks; bad
 combinations refused on every rank. Runs alone and under mpiexec (tests/test_mpi.py)."""
 
 import numpy as np
@@ -163,6 +163,36 @@ def test_bytes_across_nodes_fall_to_one_block_per_node(per_node):
     assert two.last_stats.forward.bytes_internode == (NRANKS // g - 1) * block  # on every rank
     # backward: K/V blocks, plus one partial (dK, dV in float32: as many bytes here) home a cycle
     assert two.last_stats.backward.bytes_internode == 2 * (NRANKS // g - 1) * block
+
+
+@pytest.mark.skipif(not SPREAD, reason="needs a rank count with a divisor g, 1 < g < P")
+def test_network_carries_only_the_rows_later_nodes_read(per_node):
+    """Causal: an outer hop carries the rows of its block that some rank of the nodes still
+    ahead on the outer ring reads (a query at or after the key's position), no more. The
+    forward's bytes across nodes, counted here from the token positions alone."""
+    from burstmpi.layout import layout_of
+
+    g = SPREAD[-1]
+    per_node(g)
+    N = 8 * NRANKS + 5
+    q, k, v, _ = ref.random_problem(1, N, 2, 2, 16, seed=4)
+    sh = lambda x: burstmpi.shard(x, layout="zigzag")
+    plan = burstmpi.BurstAttention(layout="zigzag", causal=True, topology="two-level")
+    plan.forward(sh(q), sh(k), sh(v))
+    lay, nodes = layout_of("zigzag", NRANKS, N), Nodes.blocks(NRANKS, g)
+    count = nodes.count
+    n = nodes.node_of[RANK]
+    i = nodes.members[n].index(RANK)
+    rows = whole = 0
+    for o in range(count - 1):  # at cycle o we send the seed (n - o, i) on to node n + 1
+        seed = lay.positions(nodes.members[(n - o) % count][i])
+        ahead = [x for j in range(1, count - o) for x in nodes.members[(n + j) % count]]
+        latest = max(int(lay.positions(x).max()) for x in ahead if len(lay.positions(x)))
+        rows += int(np.count_nonzero(seed <= latest))
+        whole += len(seed)
+    row_bytes = 2 * 2 * 16 * 4  # K and V, 2 heads of 16, float32
+    assert plan.last_stats.forward.bytes_internode == rows * row_bytes
+    assert COMM.allreduce(rows) < COMM.allreduce(whole)  # some rows stay behind
 
 
 @needs_ranks(2)
