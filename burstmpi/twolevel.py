@@ -18,28 +18,28 @@ in float32 (float64 for float64 inputs) as there.
 The backward runs every mode of the flat ring's. ``"ring"`` circulates K and V with their
 dK/dV partials, ``"burst"`` the query side (Q, dO, D, lse) with its dQ partial: a partial
 follows its block around one node's inner ring, gathering that node's contributions, and
-goes home from the loop's last holder straight to the block's owner. The owner adds the
-partial of cycle o at the start of cycle o + 2 (the last two after the phase), so the home
-transfer hides behind a cycle of compute too. ``"two-way"`` sends K/V along the rings and
+goes home from the loop's last holder straight to the block's owner. A partial finished
+at a step leaves with the next step's transfers (as on the flat ring), and one finished
+at a cycle's end goes home at the next cycle's start; the owner adds it a cycle later
+(the last two after the phase), so the home transfer hides behind a cycle of compute
+too (``burstmpi.twolevel_backward``). ``"two-way"`` sends K/V along the rings and
 the query side against them (a second pair of rings, mirrored: cycle o, step s holds the
 queries of rank (n + o, i + s)); nothing goes home, and each rank adds dQ of its queries
 and dK/dV of its keys itself, as the flat two-way ring does.
 
 Inner and outer transfers use communicators of their own (split from the plan's), so
-they match only among themselves; the home partials use the plan's. On each, a rank posts
-its transfers to a peer in the order the peer receives them, so they pair without tags,
-first in first out, as NCCL pairs them (the tests run the rings over such a transport,
-``tests/fifo_transport.py``): a partial's receive goes before the step's packets, as its
-sender sent it after the packet of its previous step (``steps(first=)``).
+they match only among themselves; the home partials use the plan's. On each, every rank
+posts its transfers as the same groups in the same order (``steps``), so they pair up
+without tags, group by group, as NCCL pairs them (the tests run the rings on such a
+transport, ``tests/ordered_transport.py``).
 
 Under masks packets shrink as they go (``Route``): a hop carries only the rows that some
 later holder reads, and an outer hop only those that later nodes read, so the network
 carries no row no node ahead needs. A partial holds the rows its block brought to the
 node. Steps with no visible pair skip their compute; their transfer still runs, shrunk,
 often to nothing, so that every rank posts the same transfers in the same order. Host
-arrays, MPI transports. The
-buffers are the plan's, kept from call to call while the shapes stay
-(``BurstAttention.buffer_bytes`` counts them).
+arrays, MPI transports. The buffers are the plan's, kept from call to call while the
+shapes stay (``BurstAttention.buffer_bytes`` counts them).
 """
 
 import time
@@ -57,9 +57,8 @@ from .transport.slowlinks import SlowLinksTransport
 __all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward"]
 
 TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME, TAG_Q_INNER, TAG_Q_OUTER = 41, 42, 43, 44, 45, 46
-# The inner and outer rings' transport class. The tests put an ordered fake here
-# (tests/fifo_transport.py: NCCL's first-in first-out matching, tags only checked), so
-# every rank must post its transfers to a peer in the order that peer receives them.
+# The inner and outer rings' transport class. The tests put NCCL's ordering here
+# (tests/ordered_transport.py: groups run in order, sends complete when received, no tags).
 RING_TRANSPORT = MPITransport
 
 
@@ -196,27 +195,34 @@ class _Ring(NamedTuple):
 def steps(r, rings, timer, first=None):
     """Yield (o, s, t, [(owner, packet views) per ring]) for every step t = o g + s,
     posting and waiting the inner and outer transfers around it (``rings``: ``_Ring``s,
-    run in lockstep; each hop carries the rows its route keeps aboard). ``first(o, s)``
-    posts what the step must post before its ring transfers (a partial's receive: a peer
-    sends it before the next packet, and NCCL matches in order)."""
+    run in lockstep; each hop carries the rows its route keeps aboard).
+
+    Each transport's transfers are posted as groups (``transport.group()``), every rank
+    posting the same groups in the same order, so that a transport which runs its groups
+    in order, matching sends to receives without tags (NCCL; ``tests/ordered_transport.py``
+    plays it on MPI), pairs them up: an outer group at the start of each cycle, an inner
+    group at each step. ``first(o, s)`` posts into the step's inner group, ahead of its
+    packets, what else the step moves on the inner ring (the backward's partials)."""
     g = r.g
     for o in range(r.N):
+        with r.t_outer.group():
+            for ring in rings:
+                sign, route = ring.route.sign, ring.route
+                if o < r.N - 1:
+                    ring.outer.post(send=True, recv=True, send_rows=route.rows(r.owner(o, 0, sign), (o + 1) * g),
+                                    recv_rows=route.rows(r.owner(o + 1, 0, sign), (o + 1) * g))
         for ring in rings:
-            sign, route = ring.route.sign, ring.route
-            seed = r.owner(o, 0, sign)
-            if o < r.N - 1:
-                ring.outer.post(send=True, recv=True, send_rows=route.rows(seed, (o + 1) * g),
-                                recv_rows=route.rows(r.owner(o + 1, 0, sign), (o + 1) * g))
-            _seed(ring.inner, ring.outer, route.rows(seed, o * g))
+            _seed(ring.inner, ring.outer, ring.route.rows(r.owner(o, 0, ring.route.sign), o * g))
         for s in range(g):
             t = o * g + s
-            if first is not None:
-                first(o, s)
-            if s < g - 1:
-                for ring in rings:
-                    sign, route = ring.route.sign, ring.route
-                    ring.inner.post(send=True, recv=True, send_rows=route.rows(r.owner(o, s, sign), t + 1),
-                                    recv_rows=route.rows(r.owner(o, s + 1, sign), t + 1))
+            with r.t_inner.group():
+                if first is not None:
+                    first(o, s)
+                if s < g - 1:
+                    for ring in rings:
+                        sign, route = ring.route.sign, ring.route
+                        ring.inner.post(send=True, recv=True, send_rows=route.rows(r.owner(o, s, sign), t + 1),
+                                        recv_rows=route.rows(r.owner(o, s + 1, sign), t + 1))
             yield o, s, t, [(r.owner(o, s, ring.route.sign), ring.inner.current) for ring in rings]
             if s < g - 1:
                 for ring in rings:
@@ -228,7 +234,7 @@ def steps(r, rings, timer, first=None):
 
 def channels(r, fields, be, route, tags=(TAG_INNER, TAG_OUTER)):
     """The inner and outer rings' channels for packets of ``fields`` on ``route``, ready
-    for a phase, with this rank's packet still to load (``_load``)."""
+    for a phase, with this rank's packet still to load (``load``)."""
     sign = route.sign
     inner, outer = r.kept(("channels", key(fields), sign), lambda alloc: (
         r.channel(r.t_inner, fields, r.g, r.local, tags[0], alloc, sign),

@@ -2,7 +2,7 @@
 results against float64 for every layout, dtype, GQA/MQA, masks, documents and backward
 mode, on fake nodes of every size that divides the ranks (BURSTMPI_RANKS_PER_NODE:
 one-rank nodes, one node, and all between); its schedule; its transfers paired in order
-as NCCL pairs them (``fifo_transport``); its bytes across nodes, dense and causal; what "auto" picks; bad
+as NCCL pairs them (``ordered_transport``); its bytes across nodes, dense and causal; what "auto" picks; bad
 combinations refused on every rank. Runs alone and under mpiexec (tests/test_mpi.py)."""
 
 import numpy as np
@@ -16,7 +16,7 @@ from burstmpi.masks import BlockSparse, Causal, Chunked, PerHead, Sinks, Window
 from burstmpi.transport.nodes import Nodes
 from burstmpi.twolevel import block_owner
 from conftest import COMM, NRANKS, RANK, check_against_float64, needs_ranks, random_docs
-from fifo_transport import FifoTransport, MisPaired
+from ordered_transport import InOrderTransport, MisPaired
 
 SIZES = [g for g in range(1, NRANKS + 1) if NRANKS % g == 0]  # node sizes that divide the ranks
 SPREAD = [g for g in SIZES if 1 < g < NRANKS]  # several nodes of several ranks
@@ -88,42 +88,40 @@ def test_two_level_with_masks_and_documents(per_node, name):
                               topology="two-level", bwd_comm=mode, tag=f"two-level {mode} mask ")
 
 
+@pytest.mark.timeout(60)
 @needs_ranks(2)
-def test_fifo_transport_reports_a_mispairing():
+def test_in_order_transport_reports_a_mispairing():
     """The ordered fake itself: two messages of one size from rank 0, received by rank 1 in
-    the other order. MPI pairs them by tag; NCCL would pair them in order, wrongly."""
-    t = FifoTransport(COMM)
+    the other order. MPI pairs them by tag; NCCL pairs them in order, wrongly."""
+    t = InOrderTransport(COMM)
     if RANK == 0:
-        t.wait([t.isend(np.arange(4.0), 1, 1), t.isend(np.arange(4.0) + 10, 1, 2)])
+        with t.group():
+            t.isend(np.arange(4.0), 1, 1)
+            t.isend(np.arange(4.0) + 10, 1, 2)
     elif RANK == 1:
         second, first = np.empty(4), np.empty(4)
-        reqs = [t.irecv(second, 0, 2), t.irecv(first, 0, 1)]
         with pytest.raises(MisPaired, match="expecting tag 2 .* sent as tag 1"):
-            t.wait(reqs)
+            with t.group():
+                t.irecv(second, 0, 2)
+                t.irecv(first, 0, 1)
     COMM.Barrier()
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-def test_two_level_posts_in_the_order_its_peers_receive(per_node, monkeypatch, mode):
+def test_two_level_pairs_its_transfers_as_nccl_does(per_node, monkeypatch, mode):
     """Every transfer of the two rings, the partials on the inner ring and the partials
-    home, over ``FifoTransport`` (NCCL's first-in first-out matching): a rank that posts
-    inner, outer or partial transfers to a peer in another order than the peer receives
-    them fails here (``MisPaired``), where over MPI tags would hide it."""
-    monkeypatch.setattr(twolevel, "RING_TRANSPORT", FifoTransport)
+    home, on ``InOrderTransport``: groups run in order, sends complete only when received,
+    and messages pair first in first out without tags, as on NCCL. A rank whose groups do
+    not pair up with its peers' deadlocks (the timeout), and one that queues transfers to
+    a peer in another order than the peer receives them fails (``MisPaired``); over MPI,
+    tags and eager sends would hide both."""
+    monkeypatch.setattr(twolevel, "RING_TRANSPORT", InOrderTransport)
     sizes = SPREAD or SIZES
     per_node(sizes[MODES.index(mode) % len(sizes)])
     plan, _ = check_against_float64(N=5 * NRANKS + 3, Z=4, Zkv=2, d=16, causal=True, layout="zigzag",
-                                    topology="two-level", bwd_comm=mode, transport=FifoTransport, record=False)
-    assert plan.last_stats.transport.count("fifo") == 3 and plan.last_stats.bwd_mode == mode
-
-
-def test_flat_ring_posts_in_the_order_its_peers_receive():
-    """The flat ring's every backward mode, its packets and partials over ``FifoTransport``
-    (its schedule was written for NCCL: here that is checked)."""
-    for mode in MODES:
-        plan, _ = check_against_float64(N=5 * NRANKS + 3, Z=4, Zkv=2, d=16, causal=True, layout="zigzag",
-                                        bwd_comm=mode, transport=FifoTransport, record=False)
-        assert "fifo" in plan.last_stats.transport
+                                    topology="two-level", bwd_comm=mode, transport=InOrderTransport, record=False)
+    assert plan.last_stats.transport.count("in-order") == 3 and plan.last_stats.bwd_mode == mode
 
 
 pytest_kernels = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
