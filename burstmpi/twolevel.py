@@ -18,11 +18,11 @@ in float32 (float64 for float64 inputs) as there.
 The backward runs every mode of the flat ring's. ``"ring"`` circulates K and V with their
 dK/dV partials, ``"burst"`` the query side (Q, dO, D, lse) with its dQ partial: a partial
 follows its block around one node's inner ring, gathering that node's contributions, and
-goes home from the loop's last holder straight to the block's owner. A partial finished
-at a step leaves with the next step's transfers (as on the flat ring), and one finished
-at a cycle's end goes home at the next cycle's start; the owner adds it a cycle later
-(the last two after the phase), so the home transfer hides behind a cycle of compute
-too (``burstmpi.twolevel_backward``). ``"two-way"`` sends K/V along the rings and
+goes home from the loop's last holder straight to the block's owner. A partial leaves as
+soon as it is finished, in one group with the receive of the partial its rank adds to
+next (at a cycle's end: home, in one group with the receive of our own block's partial);
+the owner adds a home partial a cycle later (the last two after the phase), so the home
+transfer hides behind a cycle of compute too (``burstmpi.twolevel_backward``). ``"two-way"`` sends K/V along the rings and
 the query side against them (a second pair of rings, mirrored: cycle o, step s holds the
 queries of rank (n + o, i + s)); nothing goes home, and each rank adds dQ of its queries
 and dK/dV of its keys itself, as the flat two-way ring does.
@@ -192,7 +192,7 @@ class _Ring(NamedTuple):
     route: Route
 
 
-def steps(r, rings, timer, first=None):
+def steps(r, rings, timer, then=None):
     """Yield (o, s, t, [(owner, packet views) per ring]) for every step t = o g + s,
     posting and waiting the inner and outer transfers around it (``rings``: ``_Ring``s,
     run in lockstep; each hop carries the rows its route keeps aboard).
@@ -201,8 +201,9 @@ def steps(r, rings, timer, first=None):
     posting the same groups in the same order, so that a transport which runs its groups
     in order, matching sends to receives without tags (NCCL; ``tests/ordered_transport.py``
     plays it on MPI), pairs them up: an outer group at the start of each cycle, an inner
-    group at each step. ``first(o, s)`` posts into the step's inner group, ahead of its
-    packets, what else the step moves on the inner ring (the backward's partials)."""
+    group of packets at each step. ``then(o, s)`` runs after the step's compute, before
+    the wait for the next packet, and posts its own groups (the backward's partials: sent
+    as soon as they are finished, not held up by the next packet's arrival)."""
     g = r.g
     for o in range(r.N):
         with r.t_outer.group():
@@ -215,15 +216,15 @@ def steps(r, rings, timer, first=None):
             _seed(ring.inner, ring.outer, ring.route.rows(r.owner(o, 0, ring.route.sign), o * g))
         for s in range(g):
             t = o * g + s
-            with r.t_inner.group():
-                if first is not None:
-                    first(o, s)
-                if s < g - 1:
+            if s < g - 1:
+                with r.t_inner.group():
                     for ring in rings:
                         sign, route = ring.route.sign, ring.route
                         ring.inner.post(send=True, recv=True, send_rows=route.rows(r.owner(o, s, sign), t + 1),
                                         recv_rows=route.rows(r.owner(o, s + 1, sign), t + 1))
             yield o, s, t, [(r.owner(o, s, ring.route.sign), ring.inner.current) for ring in rings]
+            if then is not None:
+                then(o, s)
             if s < g - 1:
                 for ring in rings:
                     timer.run("wait", ring.inner.wait)

@@ -80,9 +80,8 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     packet, partial = packet_fields(mode, packet_dims(plan, dims, role), q.dtype, acc)
     ring = channels(r, packet, be, route)
     inner, outer = ring.inner, ring.outer
-    # A partial passes to the next rank of the node with its block, or goes home; a
-    # partial finished at one step leaves in the next step's group (as on the flat ring):
-    # two buffers, each reused once its send is done. ``incoming``: the previous rank's
+    # A partial passes to the next rank of the node with its block, or goes home, as soon
+    # as it is finished (``then``): two buffers, each reused once its send is done. ``incoming``: the previous rank's
     # partial of the block in hand. A partial holds the rows its block brought to the
     # node, in packet order: a holder adds to the first rows, those it was handed.
     ipart, incoming, home = r.kept(("partials", key(partial)), lambda alloc: (
@@ -104,48 +103,45 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     # n + o (none at cycle 0 when a node has one rank: we held it alone).
     has_home = [o > 0 or r.g > 1 for o in range(r.N)]
     last_holder = lambda o: r.members[(r.node + o) % r.N][(r.local - 1) % r.g]
-    pend = []  # (slot, our rows) of home partials posted, each added once a later one is
+    pend = []  # (slot, our rows) of home partials posted, the older added when a third comes
     owners, ipart_req, ipart_recv, inner_sent, inner_recv = [], [None, None], None, 0, 0
     ready, going_home = None, None  # finished partials: (buffer, rows) for the next rank; (owner, rows) home
     poll = lambda: any([inner.progress(), outer.progress(), bool(home.pending()) and not
                         plan.transport.progress(home.pending())])
     pb_index = 0
 
-    def first(o, s):
-        # Step (o, s)'s inner group, ahead of its packets: the partial that the previous
-        # rank finished at its previous step (of the block we hold now) comes in, and ours
-        # goes on. Both exist, or neither: not at the second step of cycle 0, whose
-        # previous step held each rank's own block.
-        nonlocal ipart_recv, inner_recv, inner_sent, ready
-        if s >= 1 and not (o == 0 and s == 1):
-            into = incoming.message(route.rows(r.owner(o, s), o * r.g))
-            ipart_recv = r.t_inner.irecv(into, (r.local - 1) % r.g, TAG_PARTIAL)
-            inner_recv += into.nbytes
-            i, rows = ready
-            msg = ipart[i].message(rows)
-            ipart_req[i] = r.t_inner.isend(msg, (r.local + 1) % r.g, TAG_PARTIAL)
-            inner_sent += msg.nbytes
-            ready = None
-
-    def home_group(o):
-        # At the start of cycle o (o = N: after the last), one group on the plan's
-        # transport: the partial we finished at the end of cycle o - 1 goes to its owner,
-        # and cycle o - 1's partial of our block comes home (again both, or neither).
-        nonlocal going_home
+    def then(o, s):
+        # After step (o, s)'s compute, each rank's partial of the block in hand leaves in
+        # one group with the receive of the partial it will add to next: to the next rank
+        # of the node (every step of a cycle but the last; neither exists after the first
+        # step, which held each rank's own block), or home, in one group on the plan's
+        # transport with our own block's partial of this cycle coming back.
+        nonlocal ipart_recv, inner_recv, inner_sent, ready, going_home
+        if s < r.g - 1:
+            if o == 0 and s == 0:
+                return
+            with r.t_inner.group():
+                into = incoming.message(route.rows(r.owner(o, s + 1), o * r.g))
+                ipart_recv = r.t_inner.irecv(into, (r.local - 1) % r.g, TAG_PARTIAL)
+                inner_recv += into.nbytes
+                i, rows = ready
+                msg = ipart[i].message(rows)
+                ipart_req[i] = r.t_inner.isend(msg, (r.local + 1) % r.g, TAG_PARTIAL)
+                inner_sent += msg.nbytes
+                ready = None
+            return
         while len(pend) >= 2:  # the older of the two landing buffers: add it now
             _add(timer, home, grads, *pend.pop(0))
         with plan.transport.group():
             if going_home is not None:
                 home.post_send(*going_home)
                 going_home = None
-            if o >= 1 and has_home[o - 1]:
-                n = route.rows(me, (o - 1) * r.g)
-                home.post_recv((o - 1) % 2, last_holder(o - 1), n)
-                pend.append(((o - 1) % 2, _select(xp, mine[:n], C)))
+            if has_home[o]:
+                n = route.rows(me, o * r.g)
+                home.post_recv(o % 2, last_holder(o), n)
+                pend.append((o % 2, _select(xp, mine[:n], C)))
 
-    for o, s, t, [(w, views)] in steps(r, [ring], timer, first):
-        if s == 0:
-            home_group(o)
+    for o, s, t, [(w, views)] in steps(r, [ring], timer, then):
         own = t == 0  # our own block, whole: straight into our accumulators
         if own:
             parts = [(travelling, geo.block(role, me), grads)]
@@ -171,14 +167,13 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
             for name, view in incoming.views(prows).items():
                 pv[name] += view
             ipart_recv = None
-        if s < r.g - 1:  # on to the next rank of the node with the block, in the next step's group
+        if s < r.g - 1:  # on to the next rank of the node with the block (``then``)
             ready = (pb_index, prows)
-        else:  # the loop is done: home to the owner, in the next cycle's home group
+        else:  # the loop is done: home to the owner (``then``)
             for name, view in home.buffer(prows).items():
                 view[...] = pv[name]
             going_home = (w, prows)
         pb_index = 1 - pb_index
-    home_group(r.N)
     timer.run("wait", r.t_inner.wait, [x for x in ipart_req if x is not None])
     timer.run("wait", home.drain)
     for slot, at in pend:
