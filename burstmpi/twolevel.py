@@ -22,9 +22,10 @@ goes home from the loop's last holder straight to the block's owner. A partial l
 soon as it is finished, in one group with the receive of the partial its rank adds to
 next (at a cycle's end: home, in one group with the receive of our own block's partial);
 the owner adds a home partial a cycle later (the last two after the phase), so the home
-transfer hides behind a cycle of compute too (``burstmpi.twolevel_backward``). ``"two-way"`` sends K/V along the rings and
-the query side against them (a second pair of rings, mirrored: cycle o, step s holds the
-queries of rank (n + o, i + s)); nothing goes home, and each rank adds dQ of its queries
+transfer hides behind a cycle of compute too (``burstmpi.twolevel_backward``).
+``"two-way"`` sends K/V along the rings and the query side against them (a second pair
+of rings, mirrored: cycle o, step s holds the queries of rank (n + o, i + s)); nothing
+goes home, and each rank adds dQ of its queries
 and dK/dV of its keys itself, as the flat two-way ring does.
 
 Inner and outer transfers use communicators of their own (split from the plan's), so

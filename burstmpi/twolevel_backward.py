@@ -81,9 +81,10 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     ring = channels(r, packet, be, route)
     inner, outer = ring.inner, ring.outer
     # A partial passes to the next rank of the node with its block, or goes home, as soon
-    # as it is finished (``then``): two buffers, each reused once its send is done. ``incoming``: the previous rank's
-    # partial of the block in hand. A partial holds the rows its block brought to the
-    # node, in packet order: a holder adds to the first rows, those it was handed.
+    # as it is finished (``then``): two buffers, each reused once its send is done.
+    # ``incoming``: the previous rank's partial of the block in hand. A partial holds the
+    # rows its block brought to the node, in packet order: a holder adds to the first
+    # rows, those it was handed.
     ipart, incoming, home = r.kept(("partials", key(partial)), lambda alloc: (
         [Packet(partial, alloc) for _ in range(2)], Packet(partial, alloc), _Home(partial, alloc)), be)
     home.begin(plan.transport)
