@@ -25,8 +25,8 @@ the owner adds a home partial a cycle later (the last two after the phase), so t
 transfer hides behind a cycle of compute too (``burstmpi.twolevel_backward``).
 ``"two-way"`` sends K/V along the rings and the query side against them (a second pair
 of rings, mirrored: cycle o, step s holds the queries of rank (n + o, i + s)); nothing
-goes home, and each rank adds dQ of its queries
-and dK/dV of its keys itself, as the flat two-way ring does.
+goes home, and each rank adds dQ of its queries and dK/dV of its keys itself, as the
+flat two-way ring does.
 
 Inner and outer transfers use communicators of their own (split from the plan's), so
 they match only among themselves; the home partials use the plan's. On each, every rank
