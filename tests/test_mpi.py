@@ -27,6 +27,10 @@ SUITE = ["test_attention.py", "test_varlen.py", "test_decode.py", "test_decode_k
          "test_twolevel.py"]
 # 2, 3 and 4 as the issue asks, plus 5 (odd) and 8 (more ranks than this CI has cores x 4).
 RANKS = [2, 3, 4, 5, 8]
+# The CUDA kernels on the emulator run at 1, 2, 3, 4 and 8 ranks (the counts the error
+# tables report), not at 5: the emulator costs a rank seconds a test, 8 ranks share this
+# CI's 2 cores, and the ring around the kernels is the NumPy backend's, run at 5 as well.
+SKIP_AT = {5: "not emulated"}
 # What needs the optional packages under mpiexec (the framework adapters' gradient checks
 # and training steps, torch's DLPack interop, the GPU runtime's CuPy/NCCL side): .ci/run's
 # second phase, with the packages installed (pytest -m extras).
@@ -69,7 +73,8 @@ def mpiexec(n, args, timeout, expect_hang=False, via_mpi4py=True, **env_extra):
 
 @pytest.mark.parametrize("n", RANKS)
 def test_suite_under_mpiexec(n, tmp_path):
-    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE], timeout=600,
+    select = ["-k", SKIP_AT[n]] if n in SKIP_AT else []
+    rc, out, secs = mpiexec(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *select, *SUITE], timeout=600,
                             BURSTMPI_REPORT_DIR=str(tmp_path))
     assert rc == 0, f"mpiexec -n {n} pytest failed (exit {rc}):\n{out[-6000:]}"
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)
