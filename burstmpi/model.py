@@ -93,10 +93,57 @@ def work(shape, machine, mode):
     return per_pair, (machine.fwd_tflops if fwd else machine.bwd_tflops) * 1e12
 
 
+def _link(machine, node_of, r, peer, nbytes):
+    """Seconds ``nbytes`` take from ring rank r to ``peer``: the node's links or the network."""
+    if node_of[r] == node_of[peer]:
+        return machine.intra_latency_us * 1e-6 + nbytes / (machine.intra_gbps * 1e9)
+    return machine.inter_latency_us * 1e-6 + nbytes / (machine.inter_gbps * 1e9)
+
+
+def _two_way_phase(shape, machine, P, pairs, needs, node_of):
+    """The two-way backward (``burstmpi.twoway``) in lockstep: K/V and the query side each
+    travel their arcs both ways, no partial; a rank computes dQ against every K/V block it
+    receives (3 of the backward's 5 GEMMs) and dK/dV against every query block (4 of 5),
+    its own block once in full. Each step's transfers to the two neighbours run side by
+    side. Returns what ``_phase`` does."""
+    from .twoway import TwoWaySchedule
+
+    B, Z, Zkv, d, dv = shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.head_dim_v
+    dt, acc = dtypes(shape)
+    dims = (B, -(-shape.seqlen // P), Z, Zkv, d, dv)
+    kv_b, q_b = (ring.nbytes(ring.packet_fields(m, dims, dt, acc)[0]) for m in ("forward", "burst"))
+    per_pair, rate = work(shape, machine, "two-way")
+    steps = max(max(TwoWaySchedule(needs, r).steps, TwoWaySchedule(needs.T, r).steps) for r in range(P))
+    plans = [(TwoWaySchedule(needs, r, steps), TwoWaySchedule(needs.T, r, steps)) for r in range(P)]
+    total, compute, exposed, sent = 0.0, np.zeros(P), np.zeros(P), np.zeros(P)
+    for t in range(steps):
+        c, x = np.zeros(P), np.zeros(P)
+        for r, (kv, qs) in enumerate(plans):
+            if t == 0:
+                c[r] = pairs[r][r] * per_pair / rate if kv.local else 0.0
+            else:
+                c[r] = sum(pairs[r][dd.owners[t]] * 0.6 for dd in (kv.up, kv.down) if dd.compute[t])
+                c[r] += sum(pairs[dd.owners[t]][r] * 0.8 for dd in (qs.up, qs.down) if dd.compute[t])
+                c[r] *= per_pair / rate
+            if t < steps - 1:
+                for sign, dirs in ((+1, (kv.up, qs.up)), (-1, (kv.down, qs.down))):
+                    nbytes = sum(b for dd, b in zip(dirs, (kv_b, q_b)) if dd.send[t])
+                    if nbytes:
+                        x[r] = max(x[r], _link(machine, node_of, r, (r + sign) % P, nbytes))
+                        sent[r] += nbytes
+        step = float(np.max(np.maximum(c, x)))
+        total += step
+        compute += c
+        exposed += step - c
+    return total, compute, exposed, sent
+
+
 def _phase(shape, machine, P, layout, mode, pairs, needs, node_of=None):
     """Lockstep simulation of one phase: (time, compute, exposed, bytes sent) per rank.
     ``node_of[r]``: the node of ring rank r (default: blocks of ``machine.ranks_per_node``)."""
     node_of = [r // machine.ranks_per_node for r in range(P)] if node_of is None else node_of
+    if mode == "two-way":
+        return _two_way_phase(shape, machine, P, pairs, needs, node_of)
     B, N, Z, Zkv, d, dv = (shape.batch, shape.seqlen, shape.heads, shape.kv_heads, shape.head_dim,
                            shape.head_dim_v)
     C = -(-N // P)  # packets are sized for the largest block
@@ -121,10 +168,7 @@ def _phase(shape, machine, P, layout, mode, pairs, needs, node_of=None):
                 c[r] = pairs[h][w] * per_pair / rate
             nbytes = (pb if t < P - 1 and (s.send[t] or s.recv[t]) else 0) + (qb if t >= 1 and s.partial_send[t] else 0)
             if nbytes:
-                same_node = node_of[r] == node_of[(r + s.direction) % P]
-                bw, lat = ((machine.intra_gbps, machine.intra_latency_us) if same_node
-                           else (machine.inter_gbps, machine.inter_latency_us))
-                x[r] = lat * 1e-6 + nbytes / (bw * 1e9)
+                x[r] = _link(machine, node_of, r, (r + s.direction) % P, nbytes)
                 sent[r] += nbytes
         step = float(np.max(np.maximum(c, x)))
         total += step
@@ -233,7 +277,7 @@ def predict_cmd(machine, fwd_tflops, bwd_tflops, ranks, seqlen, batch, heads, kv
         click.echo(f"  {r['topology']:>9} {r['head_parallel']:3d} {r['fwd_ms']:10.2f} {r['bwd_ms']:10.2f} "
                    f"{r['fwdbwd_ms']:10.2f} {r['exposed_ms']:9.2f} {r['inter_mb']:9.1f}")
     top = min(ring_rows, key=lambda r: r["fwdbwd_ms"])
-    click.echo(f"# Recommended across nodes: " + (f"head_parallel={top['head_parallel']}" if top["head_parallel"] > 1
+    click.echo("# Recommended across nodes: " + (f"head_parallel={top['head_parallel']}" if top["head_parallel"] > 1
                                                   else f"topology={top['topology']!r}"))
 
 

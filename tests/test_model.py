@@ -1,5 +1,6 @@
 """The performance model: exact pair counts, the bytes algorithm.md gives, sane predictions."""
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -57,6 +58,22 @@ def test_cli_predicts_and_recommends():
     assert "# Recommended: layout" in res.output and "# Recommended across nodes:" in res.output
     # 6 layout x mode rows, then flat, two-level and head-parallel across the nodes
     assert sum(1 for l in res.output.splitlines() if not l.startswith("#")) == 9
+
+
+def test_two_way_backward_moves_each_block_one_hop_each_way():
+    """A symmetric window on the contiguous layout: each rank's neighbours alone read its
+    block, so the two-way backward moves its K/V and its query side one hop up and one
+    down, and nothing else (no partial), in two steps."""
+    from burstmpi import ring
+
+    P, N, Z, d = 4, 4096, 8, 64
+    shape = model.Shape(1, N, Z, Z, d, d, 4, causal=False, window=(16, 16))
+    m = model.Machine("m", 10, 10, intra_gbps=10, inter_gbps=10)
+    row = model.predict(shape, m, P, "contiguous", "two-way")
+    dims = (1, N // P, Z, Z, d, d)
+    kv, q = (ring.nbytes(ring.packet_fields(x, dims, np.float32, np.float32)[0]) for x in ("forward", "burst"))
+    assert row["bwd_mb_sent"] == pytest.approx(2 * (kv + q) / 1e6)
+    assert row["bwd_ms"] > 0
 
 
 def test_topologies_bytes_across_nodes():
