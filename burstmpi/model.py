@@ -115,8 +115,9 @@ def _two_way_phase(shape, machine, P, pairs, needs, node_of):
     per_pair, rate = work(shape, machine, "two-way")
     steps = max(max(TwoWaySchedule(needs, r).steps, TwoWaySchedule(needs.T, r).steps) for r in range(P))
     plans = [(TwoWaySchedule(needs, r, steps), TwoWaySchedule(needs.T, r, steps)) for r in range(P)]
-    total, compute, exposed, sent = 0.0, np.zeros(P), np.zeros(P), np.zeros(P)
-    for t in range(steps):
+    sent = np.zeros(P)
+
+    def step(t):
         c, x = np.zeros(P), np.zeros(P)
         for r, (kv, qs) in enumerate(plans):
             if t == 0:
@@ -131,11 +132,21 @@ def _two_way_phase(shape, machine, P, pairs, needs, node_of):
                     if nbytes:
                         x[r] = max(x[r], _link(machine, node_of, r, (r + sign) % P, nbytes))
                         sent[r] += nbytes
+        return c, x
+    return _lockstep(P, map(step, range(steps))) + (sent,)
+
+
+def _lockstep(P, steps):
+    """Sum a lockstep simulation: each of ``steps`` gives every rank's compute and transfer
+    seconds (c, x), and lasts as long as its slowest rank's max(c, x). Returns (time,
+    compute, exposed) per rank."""
+    total, compute, exposed = 0.0, np.zeros(P), np.zeros(P)
+    for c, x in steps:
         step = float(np.max(np.maximum(c, x)))
         total += step
         compute += c
         exposed += step - c
-    return total, compute, exposed, sent
+    return total, compute, exposed
 
 
 def _phase(shape, machine, P, layout, mode, pairs, needs, node_of=None):
@@ -154,13 +165,10 @@ def _phase(shape, machine, P, layout, mode, pairs, needs, node_of=None):
     per_pair, rate = work(shape, machine, mode)
     need = needs.T if mode == "burst" else needs
     scheds = [Schedule(need, r, pb, qb) for r in range(P)]
-    compute = np.zeros(P)
     sent = np.zeros(P)
-    total = 0.0
-    exposed = np.zeros(P)
-    for t in range(P):
-        c = np.zeros(P)
-        x = np.zeros(P)
+
+    def step(t):
+        c, x = np.zeros(P), np.zeros(P)
         for r, s in enumerate(scheds):
             o = s.owners[t]
             if s.compute[t]:
@@ -170,11 +178,8 @@ def _phase(shape, machine, P, layout, mode, pairs, needs, node_of=None):
             if nbytes:
                 x[r] = _link(machine, node_of, r, (r + s.direction) % P, nbytes)
                 sent[r] += nbytes
-        step = float(np.max(np.maximum(c, x)))
-        total += step
-        compute += c
-        exposed += step - c
-    return total, compute, exposed, sent
+        return c, x
+    return _lockstep(P, map(step, range(P))) + (sent,)
 
 
 def predict(shape, machine, P, layout, bwd_mode):
