@@ -19,6 +19,7 @@ INSTALL_REQUIRES = [
     "threadpoolctl>=3.0",     # one-threaded BLAS inside the CPU backend's tile threads
     "numba>=0.59",            # the CPU backend's fused softmax kernels (NumPy fallback without)
 ]
+DOCS = ["sphinx>=7.2", "myst-parser>=3", "furo>=2024.1"]
 EXTRAS_REQUIRE = {
     # A pip-only MPI (wheel). Clusters keep their own MPI and leave this out.
     "mpich": ["mpich"],
@@ -29,7 +30,10 @@ EXTRAS_REQUIRE = {
     # tests need a C++ compiler (g++) from the system. Both skip cleanly when missing.
     "test": ["pytest>=7", "pytest-timeout>=2", "mpich",
              "cuda-bindings>=13,<14; platform_system == 'Linux'",
-             "nvidia-cuda-nvrtc>=13,<14; platform_system == 'Linux'"],
+             "nvidia-cuda-nvrtc>=13,<14; platform_system == 'Linux'"] + DOCS,
+    # The manual (docs/): Sphinx, MyST for its Markdown pages, the furo theme. The test
+    # suite builds it with warnings as errors, so the test extra carries these too.
+    "docs": DOCS,
     # The GPU runtime: CuPy (14+ for bfloat16) and NCCL, for CUDA 12 or CUDA 13 machines.
     "cuda12": ["cupy-cuda12x>=14", "nvidia-nccl-cu12"],
     "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
@@ -42,7 +46,7 @@ EXTRAS_REQUIRE = {
 
 # -- console scripts ------------------------------------------------------------------
 ENTRY_POINTS = {"console_scripts": ["burstmpi-bench = burstmpi.bench:main",
-                                    "burstmpi-gpucheck = burstmpi.gpucheck:main"]}
+                                    "burstmpi-gpucheck = burstmpi.bench.gpucheck:main"]}
 
 setup(
     name=NAME,
@@ -52,7 +56,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",
-    # cuda/ (the kernel sources) installs as burstmpi/cuda, where burstmpi.kernels looks
+    # cuda/ (the kernel sources) installs as burstmpi/cuda, where burstmpi.gpu.kernels looks
     # first; a checkout uses the top-level folder itself.
     packages=find_packages(include=["burstmpi", "burstmpi.*"]) + ["burstmpi.cuda"],
     package_dir={"burstmpi.cuda": "cuda"},

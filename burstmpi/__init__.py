@@ -5,7 +5,7 @@ ring while each rank computes its part of exact attention. See README.md.
 """
 
 from .api import attention, attention_backward, shard, shard_indices, unshard
-from .cache import KVCache
+from .decode.cache import KVCache
 from .plan import BurstAttention, PhaseStats, Stats
 
 __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices",

@@ -4,10 +4,10 @@
 import numpy as np
 from mpi4py import MPI
 
-from .transport.comm import private_comm
 from .interop import like, to_host
-from .layout import LAYOUTS, layout_of
+from .masks.layout import LAYOUTS, layout_of
 from .plan import BurstAttention
+from .transport.comm import private_comm
 from .validate import agree, check_cu_seqlens, fingerprint, global_layout
 
 __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices"]
@@ -55,7 +55,7 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
         Groups of this many consecutive ranks of one node share the heads, and the ring
         runs over the groups (``burstmpi.heads``); the arrays in and out are unchanged.
     topology : {"flat", "two-level", "auto"}
-        One ring, or a ring in each node and one between nodes (``burstmpi.twolevel``; see
+        One ring, or a ring in each node and one between nodes (``burstmpi.ring.twolevel``; see
         ``BurstAttention``).
 
     Returns
@@ -103,7 +103,7 @@ def shard_indices(n, *, comm=None, layout="contiguous", cu_seqlens=None):
     (RoPE) exactly as ``shard`` shards the inputs. Contiguous and striped split ``n`` as
     evenly as possible (chunk sizes differ by at most one token, larger chunks first);
     zigzag cuts 2P chunks, or with ``cu_seqlens`` zigzags each document of at least 2P
-    tokens and keeps shorter ones whole (see ``burstmpi.layout``). Local; no communication.
+    tokens and keeps shorter ones whole (see ``burstmpi.masks.layout``). Local; no communication.
     """
     fn = "shard_indices"
     _check_layout(fn, layout)

@@ -67,9 +67,8 @@ class HeadParallel:
         self._exchange = None  # (layout, HeadExchange) of the last call
 
     def _setup(self):
-        """Split the plan's communicator (collective, first call) and build the ring's plan."""
-        from .plan import BurstAttention
-
+        """Split the plan's communicator (collective, first call) and build the ring's plan:
+        one of the owning plan's own class, so this module needs no import of ``plan``."""
         if self._inner is not None:
             return
         plan, u = self.plan, self.u
@@ -78,10 +77,10 @@ class HeadParallel:
         group, ring = split_once(comm, ("head_parallel", u), [(rank // u, rank % u), (rank % u, rank // u)])
         self._comms = (group, ring)
         rt = plan.runtime
-        inner = BurstAttention(ring, causal=plan.causal, window=plan.window_arg, softmax_scale=plan.softmax_scale,
-                               layout=plan.layout_name, bwd_comm=plan.bwd_comm, backend=rt.backend_name,
-                               transport=rt.transport_name, device=rt.device_arg, topology=plan.topology)
-        inner.layout_name = f"{plan.layout_name}/{u}"  # each group's tokens merged (burstmpi.layout)
+        inner = type(plan)(ring, causal=plan.causal, window=plan.window_arg, softmax_scale=plan.softmax_scale,
+                          layout=plan.layout_name, bwd_comm=plan.bwd_comm, backend=rt.backend_name,
+                          transport=rt.transport_name, device=rt.device_arg, topology=plan.topology)
+        inner.layout_name = f"{plan.layout_name}/{u}"  # each group's tokens merged (burstmpi.masks.layout)
         if rt.backend is not None and rt.backend.name not in ("numpy", "cuda"):
             inner.backend = rt.backend  # one put in the plan's place (the tests' emulated kernels) serves the ring
         nodes = rt.nodes

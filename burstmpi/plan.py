@@ -7,47 +7,20 @@ from typing import Optional
 
 import numpy as np
 
-from . import ring, twolevel, twolevel_backward, twoway
-from .transport.comm import rows_bytes
-from .device import abort_on_device_error
 from .config import settings
-from .geometry import geometry
+from .gpu.device import abort_on_device_error
 from .heads import HeadParallel, check_head_parallel
 from .interop import like
 from .masks.intervals import Bounds
+from .ring import flat as ring, twolevel, twolevel_backward, twoway
+from .ring.geometry import geometry
+from .ring.schedule import Schedule
+from .ring.stats import PhaseStats
 from .runtime import Runtime
-from .schedule import Schedule
+from .transport.comm import rows_bytes
 from .validate import check_backward, check_cu_seqlens, check_forward, check_options, fingerprint, global_layout
 
 __all__ = ["BurstAttention", "PhaseStats", "Stats"]
-
-
-@dataclass
-class PhaseStats:
-    """What one rank did in one phase of the last call.
-
-    ``bytes_sent``/``bytes_recv`` count payload bytes this rank moved, and
-    ``bytes_internode`` the part of ``bytes_sent`` that went to other nodes
-    (``burstmpi.transport.nodes``: ``BURSTMPI_RANKS_PER_NODE`` or the shared-memory split);
-    ``steps_computed + steps_skipped`` is the number of ranks (``steps_computed``: the ranks
-    whose blocks this rank computed with); ``direction`` is +1 when packets go to rank+1,
-    -1 when they go to rank-1, and 0 on the two-way ring (``burstmpi.twoway``). ``pairs``
-    counts the visible (query token, key token) pairs this rank computed (times batch and
-    heads for the work done; compare ranks to measure imbalance; in a two-way backward a
-    remote pair's dQ half and dK/dV half each count, on their own ranks). ``compute_s`` is time inside local kernels and ``wait_s`` the
-    exposed communication (time blocked on transfers); ``wall_s`` covers the whole phase.
-    """
-
-    bytes_sent: int = 0
-    bytes_internode: int = 0
-    bytes_recv: int = 0
-    steps_computed: int = 0
-    steps_skipped: int = 0
-    pairs: int = 0
-    direction: int = 1
-    wall_s: float = 0.0
-    compute_s: float = 0.0
-    wait_s: float = 0.0
 
 
 @dataclass
@@ -103,7 +76,7 @@ class BurstAttention:
         How the global sequence is spread over ranks (see ``burstmpi.shard``).
     bwd_comm : {"auto", "burst", "ring", "two-way"}
         What circulates in the backward: Q/dO/dQ ("burst"), K/V/dK/dV ("ring"), both K/V
-        and Q/dO two ways with no gradient partial ("two-way", ``burstmpi.twoway``; from 3
+        and Q/dO two ways with no gradient partial ("two-way", ``burstmpi.ring.twoway``; from 3
         ranks), or whichever moves fewer bytes for the call ("auto"; recorded in
         ``last_stats``; it considers "two-way" only on backends where that costs no extra
         compute, i.e. the CUDA kernels). The forward takes the two-way ring by itself
@@ -125,7 +98,7 @@ class BurstAttention:
     topology : {"flat", "two-level", "auto"}
         "flat": one ring in rank order. "two-level": a ring inside each node and one
         between nodes, linking the ranks of equal local rank, its transfer hidden behind
-        a whole inner cycle (``burstmpi.twolevel``; nodes of equal size, host arrays,
+        a whole inner cycle (``burstmpi.ring.twolevel``; nodes of equal size, host arrays,
         every ``bwd_comm``; "auto" takes "burst" or "ring", whichever moves fewer bytes).
         "auto": two-level where the ranks span several equal nodes of 2+ ranks and the
         arrays are on the host, else flat. ``last_stats.topology`` says which ran. Nodes:
@@ -139,6 +112,8 @@ class BurstAttention:
         Run on another plan's runtime (``KVCache`` does, for its prefill) instead of
         building one from ``comm``, ``backend``, ``transport`` and ``device``.
 
+    Notes
+    -----
     ``forward(q, k, v, cu_seqlens=None)`` returns ``(out, lse)`` and ``backward(dout, q, k,
     v, out, lse, cu_seqlens=None)`` returns ``(dq, dk, dv)``; see ``burstmpi.attention``
     for shapes and documents (``cu_seqlens`` is per call: it changes with every batch).
@@ -181,7 +156,7 @@ class BurstAttention:
     def nranks(self):
         return self.runtime.nranks
 
-    # -- plumbing shared with burstmpi.ring ---------------------------------------------
+    # -- plumbing shared with burstmpi.ring.flat ---------------------------------------------
 
     def schedule(self, mode, dims, dtype):
         """The ring schedule of ``mode`` for arrays of ``dims`` and ``dtype``: its direction
@@ -206,7 +181,7 @@ class BurstAttention:
     @property
     def buffer_bytes(self):
         """Bytes of ring buffers this plan holds (the double buffers and partials, and the
-        two-level ring's own: ``burstmpi.twolevel``)."""
+        two-level ring's own: ``burstmpi.ring.twolevel``)."""
         rings = getattr(self, "_rings", None)
         return self.runtime.buffer_bytes + (rings.nbytes if rings is not None else 0)
 

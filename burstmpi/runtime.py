@@ -16,17 +16,18 @@ without CuPy or without a GPU makes every rank raise instead of leaving the othe
 import numpy as np
 from mpi4py import MPI
 
-from . import ring
 from .backends import NumpyBackend
-from .backends.threads import node_masks, shares_cores, threads_per_rank
 from .backends.cupy_backend import CupyBackend
-from .transport.comm import DeviceMPITransport, MPITransport, StagedMPITransport, private_comm
+from .backends.threads import node_masks, shares_cores, threads_per_rank
 from .config import settings
+from .gpu.device import import_cupy, node_rank, pick_device
+from .interop import cupyx_pinned, is_host, to_device, to_host
+from .ring import flat as ring
+from .transport.comm import private_comm
+from .transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 from .transport.nodes import nodes
 from .transport.shm import NoRoom, transport_for
 from .transport.slowlinks import SlowLinksTransport
-from .device import import_cupy, node_rank, pick_device
-from .interop import cupyx_pinned, is_host, to_device, to_host
 from .validate import agree
 
 __all__ = ["Runtime", "kernel_ready"]

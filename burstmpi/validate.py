@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from .layout import LAYOUTS
+from .masks.layout import LAYOUTS
 from .masks.patterns import Mask
 
 __all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "TOPOLOGIES", "check_window", "check_mask", "check_options",
@@ -195,11 +195,11 @@ def agree(comm, fn, error, signature, length=0, idle=False):
     ``signature`` is a tuple of (name, value) pairs that must match on all ranks; local
     lengths may differ (the layout decides) and travel beside it. Costs one allgather of
     three integers per rank when all is well; ``idle``: it sleeps while it waits
-    (``comm.complete``: ranks take turns on cores).
+    (``transport.mpi.complete``: ranks take turns on cores).
     """
     from mpi4py import MPI
 
-    from .transport.comm import complete
+    from .transport.mpi import complete
 
     h = checksum(signature)
     mine = np.array([1 if error else 0, h, int(length)], dtype=np.int64)
@@ -240,7 +240,7 @@ def global_layout(fn, name, layout, nranks, lengths, cu_seqlens):
     """The layout of a collective call, from every rank's local length (``agree``'s
     result, the same everywhere): the global length is their sum, ``cu_seqlens`` must end
     there, and each rank must hold what the layout gives it. Every rank raises alike."""
-    from .layout import layout_of
+    from .masks.layout import layout_of
 
     n = int(np.sum(lengths))
     if n < 1:

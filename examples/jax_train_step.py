@@ -7,7 +7,8 @@ projection -> next-token loss -> SGD with momentum, the whole step under ``jax.j
 ``jax.value_and_grad``: burstmpi's forward and backward run as ordered host callbacks, in
 program order on every rank. Every rank holds the same weights and its own tokens; the
 gradients are summed over ranks with MPI, so the update is the same everywhere. Prints the
-loss of each step on rank 0.
+loss of each step on rank 0, and whether the weights after the last step have the same bits
+on every rank.
 """
 
 import jax
@@ -50,3 +51,7 @@ for step in range(5):
     total = comm.allreduce(float(loss), op=MPI.SUM) / N
     if comm.Get_rank() == 0:
         print(f"jax step {step}: loss {total:.4f} ({comm.Get_size()} ranks, {N} tokens)", flush=True)
+leaves = jax.tree_util.tree_leaves(params)
+same = len(set(comm.allgather(b"".join(np.asarray(w).tobytes() for w in leaves)))) == 1
+if comm.Get_rank() == 0:
+    print(f"jax: the weights after 5 steps, the same bits on every rank: {same}")

@@ -5,7 +5,8 @@
 Embedding -> Q/K/V projections -> burstmpi.torch.attention (causal, zigzag) -> output
 projection -> next-token loss -> AdamW. Every rank holds the same weights and its own
 tokens; the weight gradients are summed over ranks (an allreduce, as data parallelism does),
-so the update is the same everywhere. Prints the loss of each step on rank 0.
+so the update is the same everywhere. Prints the loss of each step on rank 0, and whether
+the weights after the last step have the same bits on every rank.
 """
 
 import numpy as np
@@ -43,3 +44,6 @@ for step in range(5):
     total = comm.allreduce(loss.item(), op=MPI.SUM) / N
     if comm.Get_rank() == 0:
         print(f"torch step {step}: loss {total:.4f} ({comm.Get_size()} ranks, {N} tokens)", flush=True)
+same = len(set(comm.allgather(b"".join(p.detach().numpy().tobytes() for p in params)))) == 1
+if comm.Get_rank() == 0:
+    print(f"torch: the weights after 5 steps, the same bits on every rank: {same}")

@@ -7,7 +7,6 @@ hang fails the test instead of stalling CI. Skipped when already running under m
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,10 +20,12 @@ import pytest
 from conftest import MULTIRANK, NRANKS
 
 HERE = Path(__file__).resolve().parent
-SUITE = ["test_attention.py", "test_varlen.py", "test_decode.py", "test_decode_kernels.py", "test_twoway.py", "test_schedule.py", "test_errors.py", "test_interop.py", "test_bench.py",
-         "test_kernel_backend.py", "test_transfer_order.py", "test_gpu_runtime.py", "test_cpu_kernels.py",
-         "test_workspace.py", "test_shm.py", "test_masks.py", "test_bench_masks.py", "test_heads.py",
-         "test_twolevel.py"]
+SUITE = ["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_interop.py",
+         "ring/test_twoway.py", "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py",
+         "ring/test_twolevel.py", "masks/test_masks.py", "transport/test_shm.py",
+         "backends/test_kernel_backend.py", "backends/test_cpu_kernels.py", "backends/test_workspace.py",
+         "gpu/test_gpu_runtime.py", "decode/test_decode.py", "decode/test_decode_kernels.py",
+         "bench/test_bench.py", "bench/test_bench_masks.py"]
 # 2, 3 and 4 as the issue asks, plus 5 (odd) and 8 (more ranks than this CI has cores x 4).
 RANKS = [2, 3, 4, 5, 8]
 # The CUDA kernels on the emulator run at 1, 2, 3, 4 and 8 ranks (the counts the error
@@ -34,9 +35,9 @@ SKIP_AT = {5: "not emulated"}
 # What needs the optional packages under mpiexec (the framework adapters' gradient checks
 # and training steps, torch's DLPack interop, the GPU runtime's CuPy/NCCL side): .ci/run's
 # second phase, with the packages installed (pytest -m extras).
-EXTRAS = ["test_adapter_torch.py", "test_adapter_jax.py", "test_interop.py", "test_gpu_runtime.py"]
+EXTRAS = ["adapters/test_adapter_torch.py", "adapters/test_adapter_jax.py", "api/test_interop.py",
+          "gpu/test_gpu_runtime.py"]
 OPTIONAL = ["torch", "jax", "cupy"]
-EXAMPLES = HERE.parent / "examples"
 MPIEXEC = shutil.which("mpiexec")
 
 pytestmark = [
@@ -108,41 +109,6 @@ def test_extras_under_mpiexec(n, files, tmp_path):
                      f"on each of {n} ranks in {secs:.0f} s")
 
 
-@pytest.mark.extras
-@pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_examples_train_the_same_at_one_and_two_ranks(framework):
-    """Each example's training step under mpiexec -n 1 and -n 2: the same losses, step by
-    step (exact attention: the split over ranks changes only rounding)."""
-    pytest.importorskip(framework)
-    losses = {}
-    for n in (1, 2):
-        rc, out, _ = mpiexec(n, [str(EXAMPLES / f"{framework}_train_step.py")], timeout=300)
-        assert rc == 0, out[-3000:]
-        losses[n] = [float(line.split("loss ")[1].split()[0]) for line in out.splitlines()
-                     if line.startswith(f"{framework} step")]
-        assert len(losses[n]) == 5, out[-3000:]
-    assert losses[1][-1] < losses[1][0]
-    assert max(abs(a - b) for a, b in zip(losses[1], losses[2])) < 1e-3, losses
-
-
-def test_streaming_decode_example_at_two_ranks():
-    """examples/streaming_decode.py: sinks and a window decoding past the capacity, checked
-    against float64 under the same mask, the same bits on every rank."""
-    rc, out, _ = mpiexec(2, [str(EXAMPLES / "streaming_decode.py"), "600"], timeout=300)
-    assert rc == 0, out[-3000:]
-    m = re.search(r"largest error against float64 ([0-9.e+-]+);.*the same bits on every rank: True", out)
-    assert m and float(m.group(1)) < 1e-5, out[-2000:]
-
-
-def test_mask_planning_example():
-    """examples/mask_planning.py at 64K tokens: both masks planned, in well under a minute."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "mask_planning.py"), "65536", "4"], capture_output=True,
-                          text=True, timeout=300, cwd=HERE)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    times = [float(x) for x in re.findall(r"planned in ([0-9.]+) s", proc.stdout)]
-    assert len(times) == 2 and max(times) < 60, proc.stdout
-
-
 @pytest.mark.parametrize("where", ["before the ring", "inside the ring"])
 def test_exception_on_one_rank_ends_the_job(where):
     script = textwrap.dedent(f"""
@@ -175,7 +141,7 @@ def test_in_order_transport_hangs_on_unpaired_groups():
         import sys
         import numpy as np
         from mpi4py import MPI
-        from burstmpi.transport.comm import MPITransport
+        from burstmpi.transport.mpi import MPITransport
         from ordered_transport import InOrderTransport
         comm = MPI.COMM_WORLD
         t = (InOrderTransport if sys.argv[1] == "in-order" else MPITransport)(comm)

@@ -4,9 +4,9 @@ A backend provides ``xp`` (the array module), ``alloc(nbytes)``, ``output(shape,
 and ``acc_dtype``, the local work of a ring step: ``fwd_state``, ``fwd_block``,
 ``fwd_finalize``, ``bwd_preprocess``, ``bwd_state``, ``bwd_block`` and ``store(dst, src,
 scale=None)`` (an accumulator the ring is done with, times ``scale``, into a result in the
-caller's layout), and that of a decode (``burstmpi.cache``): ``decode`` (new queries over a
+caller's layout), and that of a decode (``burstmpi.decode.cache``): ``decode`` (new queries over a
 cache shard, a normalised partial) and ``combine`` (partials merged in a fixed order). The
-ring algorithm in ``burstmpi.ring`` and the cache are written once against this interface.
+ring algorithm in ``burstmpi.ring.flat`` and the cache are written once against this interface.
 ``NumpyBackend`` computes on the CPU: its tile loops compiled with numba (``cpu_tiles``:
 BLAS's sgemm bound in ``cpu_blas``, fused elementwise kernels in ``cpu_kernels``) or in
 NumPy (``tile_ops``), on the rank's threads (``threads``); ``KernelBackend`` launches

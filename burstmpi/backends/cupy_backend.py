@@ -2,13 +2,13 @@
 
 Everything between the ring and a launch is ``KernelBackend``'s (and is tested on the CPU
 emulator in CI); this file only adds what touches a real device: CuPy arrays, the
-compiled modules (``burstmpi.kernels.module``, memoized per device), the opt-in for more
+compiled modules (``burstmpi.gpu.kernels.module``, memoized per device), the opt-in for more
 than 48 KiB of dynamic shared memory, and launching on the caller's current stream.
 """
 
 import numpy as np
 
-from .. import kernels
+from ..gpu import kernels
 from .kernel_backend import KernelBackend
 
 __all__ = ["CupyBackend"]

@@ -1,7 +1,7 @@
 """The local work of a ring step on burstmpi's CUDA kernels (cuda/), for any launcher.
 
-``KernelBackend`` implements the backend interface of ``burstmpi.ring`` by describing
-kernel launches (``burstmpi.kernels``) on the arrays the ring hands it, in the same
+``KernelBackend`` implements the backend interface of ``burstmpi.ring.flat`` by describing
+kernel launches (``burstmpi.gpu.kernels``) on the arrays the ring hands it, in the same
 working layouts as the NumPy backend:
 
     query side  q, do, dq, acc : (B, Zkv, C, g, d)     row scalars D, lse, m, l : (B, Zkv, C, g)
@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import kernels
+from ..gpu import decode_launch, kernels
 from ..interop import bfloat16
 from ..validate import check_out
 
@@ -59,7 +59,7 @@ class _Ptrs(NamedTuple):
 
 
 class KernelBackend:
-    """Backend interface over ``burstmpi.kernels`` launches; subclasses provide
+    """Backend interface over ``burstmpi.gpu.kernels`` launches; subclasses provide
     ``xp``, ``ptr(array)``, ``to_device(host_array)`` and ``launch(spec)`` (never called
     with an empty grid)."""
 
@@ -148,7 +148,7 @@ class KernelBackend:
         if 0 not in spec.grid:
             self.launch(spec)
 
-    # -- the interface of burstmpi.ring --------------------------------------------------
+    # -- the interface of burstmpi.ring.flat --------------------------------------------------
 
     def fwd_state(self, B, Zkv, C, g, dv, acc):
         xp = self.xp
@@ -344,14 +344,14 @@ class KernelBackend:
             out_split, lse_split = B * Zkv * rows * dv, B * Zkv * rows
         module = (dtype, d, dv)
         self._decode_modules[dv] = module
-        self._run(kernels.decode(
+        self._run(decode_launch.decode(
             dtype, d, dv, q=self._grouped(q), k=self._cache(k), v=self._cache(v), kpos=self.ptr(kpos),
             out=self._grouped(parts_out[0] if splits > 1 else parts_out),
             lse=self._grouped(parts_lse[0] if splits > 1 else parts_lse), out_split=out_split,
             lse_split=lse_split, batch=B, kv_heads=Zkv, tokens=T, group=g, n=n, chunk=chunk,
             splits=splits, qpos0=int(qpos0), left=left, scale=scale, smem_limit=self.smem_limit))
         if splits > 1:
-            self._run(kernels.decode_combine(
+            self._run(decode_launch.decode_combine(
                 "float32", dv, out=self._grouped(out), lse=self._grouped(lse),
                 parts_out=kernels.Stacked(self.ptr(parts_out), out_split, dv),
                 parts_lse=kernels.Stacked(self.ptr(parts_lse), lse_split, 1),
@@ -394,7 +394,7 @@ class KernelBackend:
                 raise ValueError(f"backend 'cuda': {fn}: {name}: expected a contiguous last axis, got strides "
                                  f"{a.strides}")
         el = lambda a, i: a.strides[i] // a.itemsize
-        self._run(kernels.decode_combine(
+        self._run(decode_launch.decode_combine(
             dtype, dv, out=kernels.Grouped(self.ptr(out), 0, el(out, 0), 0, 0),
             lse=kernels.Grouped(self.ptr(lse), 0, el(lse, 0), 0, 0),
             parts_out=kernels.Stacked(self.ptr(parts_out), el(parts_out, 0), el(parts_out, 1)),

@@ -407,7 +407,7 @@ class NumpyBackend:
         items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in plan]
         self.workers.run(items, item, poll)
 
-    # -- decode (burstmpi.cache) --------------------------------------------------------
+    # -- decode (burstmpi.decode.cache) --------------------------------------------------------
 
     def decode(self, q, k, v, kpos, n, qpos0, left, scale, out, lse):
         """T new queries over the first ``n`` rows of a cache shard: a normalised partial

@@ -18,12 +18,12 @@ import os
 import click
 from mpi4py import MPI
 
+from ..masks.layout import LAYOUTS
+from ..validate import TOPOLOGIES
 from . import attention, decode as decode_mode
-from ..layout import LAYOUTS
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
 from .common import DTYPES, comma_list, cpu_line, legend, parse_bytes, parse_counts, parse_size, parse_window
 from .patterns import check_spec
-from ..validate import TOPOLOGIES
 
 __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
 

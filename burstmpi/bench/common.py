@@ -22,12 +22,13 @@ import click
 import numpy as np
 from mpi4py import MPI
 
-from .. import __version__, regress
+from .. import __version__
 from ..backends.threads import cores, node_masks, shares_cores
 from ..config import settings
-from ..transport.comm import complete
-from ..transport.nodes import nodes
 from ..interop import bfloat16
+from ..transport.mpi import complete
+from ..transport.nodes import nodes
+from . import regress
 from .binding import bind_ranks
 from .memory import Budget, Refused, peak_bytes, reset_peak
 
@@ -302,7 +303,7 @@ def resolve_device(comm, backend):
     cupy = None
     if backend in ("auto", "cuda"):
         try:
-            from ..device import import_cupy
+            from ..gpu.device import import_cupy
 
             cupy = import_cupy("burstmpi-bench")
         except (NotImplementedError, RuntimeError) as e:
@@ -326,7 +327,7 @@ def timed(comm, fn, dev=None):
 
 
 def barrier(comm, idle=False):
-    """MPI_Barrier, or with ``idle`` one that sleeps between tests (``comm.complete``).
+    """MPI_Barrier, or with ``idle`` one that sleeps between tests (``transport.mpi.complete``).
     MPI_Barrier busy-polls: where ranks take turns on a core, a rank done early would take
     half of its core from the rank still working there, and time that rank's phase slower."""
     complete([comm.Ibarrier()], idle)  # nonblocking everywhere: ``idle`` may differ by node

@@ -21,9 +21,9 @@ pieces (``KVCache.load`` appends), so a row needs little beyond the cache itself
 import numpy as np
 from mpi4py import MPI
 
-from ..cache import KVCache
+from ..decode.cache import KVCache
+from ..masks.layout import layout_of
 from ..transport.comm import Channel
-from ..layout import layout_of
 from .common import (DTYPES, REDUCE, TOLERANCE, budget_for, choices, idle_barrier, np_dtype, reads_in_place,
                      resolve_device, say, seqlens, sweep, timed)
 from .estimates import CHECK_BYTES, ONE_RANK, capacity, decode_stages, piece_tokens

@@ -4,7 +4,7 @@ Head parallelism (``burstmpi.heads``, DeepSpeed-Ulysses' exchange) gives each of
 ranks of a group all the group's tokens for 1/u of the heads: rank i sends member j the
 heads j serves of its own tokens, and receives from every member that member's tokens of
 the heads it serves itself. The group's tokens are kept in increasing position (the
-merged layout ``NAME/u`` of ``burstmpi.layout``), so each member's rows land at their
+merged layout ``NAME/u`` of ``burstmpi.masks.layout``), so each member's rows land at their
 places in that order, not one member after another.
 
 One ``MPI.Alltoallv`` of bytes per array and direction. GPU arrays are staged through host

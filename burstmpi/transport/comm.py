@@ -1,4 +1,4 @@
-"""Ring communication: a private communicator, the MPI transport, and double-buffered channels.
+"""Ring communication: a private communicator, packets, and double-buffered channels.
 
 A ``Channel`` owns two copies of one packet (several named tensors packed into one
 contiguous buffer, so a ring step is a single message) and has an explicit
@@ -14,16 +14,13 @@ still be in flight while step t+1 fills the other; a rank's own partial comes ho
 fourth. A packet that a rank passes on may go ahead of its step (``Channel.post(forward=)``).
 
 Misuse (posting twice, waiting with nothing posted) raises instead of corrupting data.
+A channel moves its buffers through a transport (``mpi``, ``shm``, ``nccl``).
 """
-
-import contextlib
-import time
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["private_comm", "complete", "MPITransport", "DeviceMPITransport", "StagedMPITransport", "Channel",
-           "PartialChannel", "field_bytes", "Packet", "rows_bytes"]
+__all__ = ["private_comm", "split_once", "Channel", "PartialChannel", "field_bytes", "Packet", "rows_bytes"]
 
 # A partial going home travels on its own tag, so that it can never pair with a receive
 # meant for a partial passing through from the same rank (with two ranks the next rank is
@@ -71,147 +68,10 @@ def split_once(comm, purpose, colors):
     return split
 
 
-def complete(requests, idle=False):
-    """Wait for MPI requests. MPI's Waitall polls without pause, and where ranks take turns
-    on a core (``idle``) the waiting rank would take half of it from the rank it waits for:
-    there it tests and sleeps instead, 20 us at first, doubling up to 1 ms. Measured with 4
-    ranks on 2 cores: a 0.25 s compute beside a rank waiting in MPI_Wait took 0.48 s, 0.43 s
-    with MPICH's own yield (MPIR_CVAR_ENABLE_HEAVY_YIELD=1), 0.26 s beside one sleeping."""
-    if not idle:
-        MPI.Request.Waitall(requests)
-        return
-    pause = 2e-5
-    while not MPI.Request.Testall(requests):
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
-
-
-class MPITransport:
-    """Point-to-point transfers of host buffers over an mpi4py communicator.
-
-    ``idle``: ranks take turns on this node's cores, so waits sleep (``complete``); the
-    runtime sets it on a plan's first call."""
-
-    name = "mpi"
-    idle = False
-    # Messages match in any order, and a received buffer is the packet itself: a packet
-    # may be sent on as soon as it arrives (``Channel.post(forward=)``).
-    eager = True
-
-    def __init__(self, comm):
-        self.comm = comm
-
-    @staticmethod
-    def group():
-        """The transfers of one ring step are posted inside this context. MPI matches
-        messages whatever their order, so it is nothing here; a transport that runs its
-        transfers in order (NCCL) starts them together when the context closes."""
-        return contextlib.nullcontext()
-
-    def isend(self, buf, dest, tag):
-        return self.comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag)
-
-    def irecv(self, buf, source, tag):
-        return self.comm.Irecv([buf, MPI.BYTE], source=source, tag=tag)
-
-    def wait(self, requests):
-        complete(requests, self.idle)
-
-    def allgather(self, send, recv):
-        """Every rank's ``send`` bytes into ``recv`` (rank order), blocking: the decode's
-        one collective per call (``burstmpi.cache``)."""
-        self.comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
-
-    @staticmethod
-    def progress(requests):
-        # Without an asynchronous progress thread MPI moves a large message only inside
-        # MPI calls, so the compute loop pokes it between tiles to keep the overlap real.
-        # True once all are complete.
-        return MPI.Request.Testall(requests)
-
-
 def field_bytes(shape, dtype):
     """Bytes one packet field takes, padded to the next field's 16-byte boundary."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
     return -(-n // FIELD_ALIGN) * FIELD_ALIGN
-
-
-class DeviceMPITransport(MPITransport):
-    """Device buffers handed to a CUDA-aware MPI (``BURSTMPI_CUDA_AWARE_MPI=1``). MPI does
-    not order a send after the kernels and copies queued on a stream, so a send first waits
-    for them (``synchronize``), and a received packet goes on only with its step's send."""
-
-    eager = False
-
-    def __init__(self, comm, synchronize):
-        super().__init__(comm)
-        self._synchronize = synchronize
-
-    def isend(self, buf, dest, tag):
-        self._synchronize()
-        return super().isend(buf, dest, tag)
-
-
-class _Staged:
-    """An MPI request on a host copy of a device buffer."""
-
-    __slots__ = ("req", "host", "device")
-
-    def __init__(self, req, host, device=None):
-        self.req, self.host, self.device = req, host, device
-
-
-class StagedMPITransport(MPITransport):
-    """MPI transfers of device buffers through host copies, for MPIs that are not
-    CUDA-aware (and for ranks that share a GPU, which NCCL refuses).
-
-    ``to_host(buf, out)`` copies a device buffer into a host one after the producing
-    kernels have finished; ``to_device(host, buf)`` copies back and returns once done.
-    Host buffers are kept per device buffer, so a plan allocates them once.
-    """
-
-    name = "mpi-staged"
-    eager = False  # a received packet reaches its device buffer only in ``wait``
-
-    def __init__(self, comm, to_host, to_device, alloc_host=None):
-        super().__init__(comm)
-        self._to_host, self._to_device = to_host, to_device
-        self._alloc_host = alloc_host or (lambda n: np.empty(n, dtype=np.uint8))
-        self._hosts = {}
-
-    def _host(self, buf, role):
-        """The host copy of ``buf``: one per (role, device address), grown to the largest
-        message sent from that address (packets shrink on their way; ``Packet``)."""
-        key = (role, _address(buf))
-        host = self._hosts.get(key)
-        if host is None or host.nbytes < buf.nbytes:
-            host = self._hosts[key] = self._alloc_host(buf.nbytes)
-        return host[:buf.nbytes]
-
-    def isend(self, buf, dest, tag):
-        host = self._host(buf, "send")
-        self._to_host(buf, host)
-        return _Staged(self.comm.Isend([host, MPI.BYTE], dest=dest, tag=tag), host)
-
-    def irecv(self, buf, source, tag):
-        host = self._host(buf, "recv")
-        return _Staged(self.comm.Irecv([host, MPI.BYTE], source=source, tag=tag), host, buf)
-
-    def wait(self, requests):
-        complete([r.req for r in requests], self.idle)
-        for r in requests:
-            if r.device is not None:
-                self._to_device(r.host, r.device)
-
-    @staticmethod
-    def progress(requests):
-        return MPI.Request.Testall([r.req for r in requests])
-
-    def allgather(self, send, recv):
-        host_send, host_recv = self._host(send, "gather-send"), self._host(recv, "gather-recv")
-        self._to_host(send, host_send)
-        self.comm.Allgather([host_send, MPI.BYTE], [host_recv, MPI.BYTE])
-        self._to_device(host_recv, recv)
 
 
 def check_rows(who, arg, n, most):

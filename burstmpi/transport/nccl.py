@@ -20,7 +20,7 @@ import time
 
 from mpi4py import MPI
 
-from ..device import rank_prefix
+from ..gpu.device import rank_prefix
 
 __all__ = ["unique_id", "communicator", "NCCLTransport", "available", "choose_transport"]
 

@@ -12,7 +12,7 @@ can map every other's memory, so nothing needs to move.
 views of the owner's own copy. What travels around the ring is a token, the packet's
 owner (8 bytes), posted and waited for exactly where the MPI ring sends and receives the
 packet: the schedule, the skipped steps and the order of every phase stay
-``burstmpi.ring``'s, and a rank reads a packet only after the token chain from its owner
+``burstmpi.ring.flat``'s, and a rank reads a packet only after the token chain from its owner
 reached it.
 
 Memory ordering follows MPI's shared-memory pattern: the windows stay locked (``Lock_all``,
@@ -41,8 +41,9 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .comm import (HOME_TAG_OFFSET, Channel, Counted, MPITransport, Packet, PartialChannel, _packet, check_rows,
-                   check_send_rows, complete, rows_bytes)
+from .comm import (HOME_TAG_OFFSET, Channel, Counted, Packet, PartialChannel, _packet, check_rows, check_send_rows,
+                   rows_bytes)
+from .mpi import MPITransport, complete
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
 

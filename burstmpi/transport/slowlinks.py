@@ -21,7 +21,7 @@ import time
 
 from mpi4py import MPI
 
-from .comm import MPITransport, complete
+from .mpi import MPITransport, complete
 
 __all__ = ["SlowLinksTransport"]
 
