@@ -26,7 +26,7 @@ __all__ = ["HEAD_DIMS", "DTYPES", "ARCHS", "Strided", "Grouped", "Bitmap", "Laun
 
 # (QK head dim, V head dim) pairs with kernels; each is compiled and checked in CI.
 # Adding one: append it here, run `python -m burstmpi.kernelcheck` (no spills allowed) and the
-# emulated tests (tests/test_kernels_emulated.py); cuda/README.md has the details.
+# emulated tests (tests/gpu/test_kernels_emulated.py); cuda/README.md has the details.
 HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 DTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
 ARCHS = ("sm_80", "sm_90")

@@ -1,4 +1,4 @@
-// Kernels that test the emulator itself (tests/test_emulator.py), not burstmpi.
+// Kernels that test the emulator itself (tests/gpu/test_emulator.py), not burstmpi.
 //
 // The layout probe of cuda/probe.cu, then kernels that are deliberately broken, each in
 // one way the emulator must report.
