@@ -1,6 +1,6 @@
 """Any sequence length and packed documents (cu_seqlens), against the float64 reference.
 
-Runs alone and under mpiexec (tests/test_mpi.py: 2, 3, 4, 5 and 8 ranks), so every case
+Runs alone and under mpiexec (tests/test_mpi.py: 2, 3, 4 and 8 ranks), so every case
 meets odd rank counts, lengths that do not divide, and ranks that hold no token.
 """
 

@@ -1,7 +1,7 @@
 """The CPU backend's compiled elementwise kernels (numba) against their NumPy versions, the
 NumPy fallback, threads, and both paths end to end against float64.
 
-Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs it at 2, 3, 4, 5 and 8).
+Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs it at 2, 3 and 4).
 """
 
 import sys

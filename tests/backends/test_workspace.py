@@ -1,7 +1,7 @@
 """The CPU backend's memory kept from call to call (``burstmpi.backends.workspace``): working
 arrays reused without changing results, and results that stay the caller's own.
 
-Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs 2, 3, 4, 5 and 8)."""
+Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs 2, 3 and 4)."""
 
 import gc
 
