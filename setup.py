@@ -37,7 +37,7 @@ EXTRAS_REQUIRE = {
     # The GPU runtime: CuPy (14+ for bfloat16) and NCCL, for CUDA 12 or CUDA 13 machines.
     "cuda12": ["cupy-cuda12x>=14", "nvidia-nccl-cu12"],
     "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
-    # python -m burstmpi.bench.plot: figures from the bench's JSON.
+    # python -m burstmpi.plot: figures from the bench's JSON.
     "plot": ["matplotlib"],
     # The framework adapters burstmpi.torch and burstmpi.jax (never needed by the core).
     "torch": ["torch>=2.1"],

@@ -5,10 +5,10 @@ ring while each rank computes its part of exact attention. See README.md.
 """
 
 from .api import attention, attention_backward, shard, shard_indices, unshard
-from .decode.cache import KVCache
+from .decode.cache import DecodeStats, KVCache
 from .plan import BurstAttention, PhaseStats, Stats
 
 __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices",
-           "BurstAttention", "KVCache", "PhaseStats", "Stats", "__version__"]
+           "BurstAttention", "KVCache", "DecodeStats", "PhaseStats", "Stats", "__version__"]
 
 __version__ = "0.1.0"

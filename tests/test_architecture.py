@@ -1,38 +1,53 @@
-"""The package's floors (docs/architecture.md) hold: every import points down, and no
-module imports another that imports it back, lazy imports inside functions included.
+"""The package's floors hold: every import points down, as docs/architecture.md draws it.
 
-Read from the source with ``ast``; nothing is imported.
+The page's table is the one source: for each row, its floor, its files and folders, and the
+units they import. The test reads every import of the code with ``ast`` (those inside
+functions too; nothing is imported) and fails on an import that points up, on an import the
+page does not list or a listed one the code no longer makes, on a module or folder the page
+does not place, on a cycle between modules, and on a module over about 500 lines.
 """
 
 import ast
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "burstmpi"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "burstmpi"
+PAGE = ROOT / "docs" / "architecture.md"
+ROW = re.compile(r"^\| (\d+) \| ([^|]+) \| .* \| ([^|]+) \|$")
 
-# Each unit (a top-level module or a subpackage) and its floor, as docs/architecture.md draws them.
-FLOORS = {
-    "bench": 7, "model": 7,
-    "api": 6, "decode": 6, "torch": 6, "jax": 6,
-    "plan": 5, "heads": 5,
-    "runtime": 4,
-    "backends": 3, "ring": 3,
-    "validate": 2, "reference": 2,
-    "transport": 1,
-    "gpu": 0, "masks": 0, "interop": 0, "config": 0,
-}
-# Imports between units of one floor, each the one way it may go.
-SIDEWAYS = {("plan", "heads"), ("model", "bench")}
-# The package's face re-exports, and the command alias runs gpu/kernelcheck.py: above every floor.
-FACES = {"__init__", "kernelcheck"}
+
+def _unit_name(text):
+    """``bench/`` -> bench, ``api.py`` -> api, ``__init__.py`` -> __init__."""
+    return text.strip().strip("`").rstrip("/").removesuffix(".py")
+
+
+def table():
+    """{unit: (floor, documented imports)} from the page's table; a row naming several units
+    gives each the row's floor and imports."""
+    rows = {}
+    for line in PAGE.read_text().splitlines():
+        m = ROW.match(line)
+        if not m:
+            continue
+        floor = int(m.group(1))
+        units = [_unit_name(u) for u in re.findall(r"`([^`]+)`", m.group(2))]
+        listed = re.sub(r"\([^)]*\)", "", m.group(3))  # "(what for)" notes are not names
+        imported = {_unit_name(u) for u in re.findall(r"`([^`]+)`", listed)}
+        row = (floor, imported)  # one object per row: its units share it
+        for u in units:
+            rows[u] = row
+    assert rows, f"no table rows found in {PAGE}"
+    return rows
 
 
 def _module(path):
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _exists(dotted):
-    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    path = ROOT.joinpath(*dotted.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
@@ -70,20 +85,32 @@ def unit(module):
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def test_every_unit_has_a_floor():
+def test_the_page_places_every_module_and_folder():
     units = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.suffix == ".py" or (p / "__init__.py").is_file())}
-    assert units - FACES == set(FLOORS), "give each new module or folder a floor (and a row in docs/architecture.md)"
+             if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    placed = set(table())
+    assert units == placed, (f"missing from docs/architecture.md's table: {sorted(units - placed)}; "
+                             f"on the page but not in burstmpi/: {sorted(placed - units)}")
 
 
-def test_imports_point_down():
-    wrong = []
-    for a, b in sorted(imports()):
+def test_imports_point_down_and_are_the_ones_the_page_lists():
+    rows = table()
+    made = {}
+    for a, b in imports():
         ua, ub = unit(a), unit(b)
-        if ua == ub or ua in FACES or ub == "__init__":
-            continue
-        if FLOORS[ub] > FLOORS[ua] or (FLOORS[ub] == FLOORS[ua] and (ua, ub) not in SIDEWAYS):
-            wrong.append(f"{a} (floor {FLOORS[ua]}) imports {b} (floor {FLOORS[ub]})")
+        if ua != ub:
+            made.setdefault(ua, {}).setdefault(ub, f"{a} imports {b}")
+    wrong = []
+    for ua, targets in sorted(made.items()):
+        for ub, example in sorted(targets.items()):
+            if rows[ub][0] > rows[ua][0]:
+                wrong.append(f"up: {example} (floor {rows[ua][0]} -> {rows[ub][0]})")
+    for u, (floor, documented) in sorted(rows.items()):
+        group = {v for v, row in rows.items() if row is rows[u]}  # units sharing the row
+        actual = set().union(*(made.get(v, {}) for v in group)) - group
+        if actual != documented:
+            wrong.append(f"docs/architecture.md, row of {u}: lists {sorted(documented)}, the code imports "
+                         f"{sorted(actual)}")
     assert not wrong, "\n".join(wrong)
 
 
@@ -104,17 +131,14 @@ def test_no_module_imports_itself_back():
                 todo.extend(graph.get(m, ()))
         return False
 
-    # A package's __init__ that re-exports its modules is not a cycle through them.
+    # A package's __init__ re-exports its modules: importing a name from the package is not a
+    # cycle through them (the floors above catch an __init__ that imports upward).
     cycles = [f"{a} -> {b}" for a, b in sorted(edges)
-              if not b.endswith(("burstmpi", "__init__")) and _module_is_not_package(b) and reaches(b, a)]
+              if not (ROOT.joinpath(*b.split(".")) / "__init__.py").is_file() and reaches(b, a)]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-def _module_is_not_package(dotted):
-    return not (PACKAGE.parent.joinpath(*dotted.split(".")) / "__init__.py").is_file()
-
-
 def test_no_module_over_about_500_lines():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 525}
     assert not long, f"split these (one sitting's reading is about 500 lines): {long}"

@@ -1,4 +1,4 @@
-"""Multi-rank runs: the suite under ``mpiexec -n 2/3/4/5/8``, and abort-instead-of-hang.
+"""Multi-rank runs: the suite under ``mpiexec -n 2/3/4`` (the ring's own tests at 8), and abort-instead-of-hang.
 
 Each run is a subprocess with a hard timeout that kills the whole process group, so a
 hang fails the test instead of stalling CI. Skipped when already running under mpiexec.

@@ -55,6 +55,15 @@ def programs(page):
     return [tuple(p) for p in out]
 
 
+def test_every_python_block_is_one_the_suite_runs():
+    """A fence spelled otherwise (```py, ```Python, trailing blanks) would never run: every
+    fence that opens Python code on a page must be exactly ```python."""
+    odd = [f"{page.relative_to(ROOT)}: {fence!r}" for page in pages()
+           for fence in re.findall(r"^```[ \t]*(?:py|python|python3|ipython)\b.*$", page.read_text(), flags=re.M | re.I)
+           if fence != "```python"]
+    assert not odd, odd
+
+
 def all_programs():
     """[(page, program)] over every page."""
     return [(page, prog) for page in pages() for prog in programs(page)]
@@ -114,4 +123,5 @@ def test_program_runs_and_checks_itself(page, program, tmp_path):
         assert float(CHECK.search(line).group(1)) < 1e-4, line  # float32 examples
     if "the same bits on every rank" in source:
         assert "the same bits on every rank: True" in out, out[-2000:]
+        assert "the same bits on every rank: False" not in out, out[-2000:]
     REPORTS.append((f"{where} under mpiexec -n {n} ({secs:.0f} s)", ["  " + c for c in checks]))

@@ -4,9 +4,9 @@
     mpiexec -n 4 burstmpi-bench -b 4K -e 32K -f 2 -d all -J out.json
     mpiexec -n 4 burstmpi-bench --decode -b 16K -e 256K -f 4    # decode over a sharded KV cache
 
-One command, two modes, each in its own module with its columns defined there (``LEGEND``;
-``--legend`` prints them): ``burstmpi.bench.attention`` (the default) and
-``burstmpi.bench.decode`` (``--decode``). Both print the same way (``burstmpi.bench.common``:
+One command, two modes, each in its own module: ``burstmpi.bench.attention`` (the default;
+its columns, ``LEGEND`` and presets in ``burstmpi.bench.columns``) and
+``burstmpi.bench.decode`` (``--decode``, its columns there); ``--legend`` prints them. Both print the same way (``burstmpi.bench.common``:
 preamble, one row per configuration, footer, ``-J`` JSON rows, ``--baseline`` regression
 mode, ``--junit``), check each row's memory before it runs (``burstmpi.bench.memory``) and
 exit non-zero when a value is wrong (1), a row did not fit in memory (4) or a

@@ -10,7 +10,7 @@ Only rank 0 prints. Every line that is not a data row starts with ``#``. Each ro
 one configuration; times are the mean over ``-n`` iterations on each rank, reduced
 over ranks by ``-a`` (default: the slowest rank, which is what the job waits for).
 
-``LEGEND`` defines every column (``burstmpi-bench --legend`` prints it). In short: forward,
+``columns.LEGEND`` defines every column (``burstmpi-bench --legend`` prints it). In short: forward,
 backward and forward+backward times and TFLOP/s (FLOPs by flash-attn's convention), bytes
 each rank sent, the time inside the local kernels against the time waiting on transfers,
 ``vs local`` (the ring's per-rank rate over the local kernel's alone on one unmasked block

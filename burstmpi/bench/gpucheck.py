@@ -272,7 +272,7 @@ def check_ranks(rep, transport, quick):
                  f"in {time.perf_counter() - t0:.0f} s")
 
 
-# -- 5. bench -------------------------------------------------------------------------------------
+# -- 6. bench -------------------------------------------------------------------------------------
 
 def _time(cupy, fn, iters=5, warmup=2):
     for _ in range(warmup):

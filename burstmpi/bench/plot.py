@@ -1,6 +1,6 @@
 """Plots from burstmpi-bench JSON files (needs matplotlib: pip install 'burstmpi[plot]').
 
-    python -m burstmpi.bench.plot run.json [more.json ...] -o bench.png
+    python -m burstmpi.plot run.json [more.json ...] -o bench.png
 
 Left: forward+backward TFLOP/s per rank against the global sequence length, one line per
 (ranks, dtype, mask, layout, backward mode). Right, when the files hold runs on different

@@ -5,7 +5,9 @@
 go to the attention functions as ``mask=`` (``burstmpi.masks.patterns`` defines each).
 Underneath, a mask is lowered to disjoint monotone intervals per row
 (``burstmpi.masks.terms``), the form in which the ring's schedule, the CPU tile loops and
-the CUDA kernels skip what no query sees (``burstmpi.masks.intervals``).
+the CUDA kernels skip what no query sees (``burstmpi.masks.intervals``). Beside them, where
+tokens live: the layouts (``burstmpi.masks.layout``) and packed documents for the bench
+(``burstmpi.masks.packing``).
 """
 
 from .patterns import BlockSparse, Causal, Chunked, Mask, PerHead, Sinks, Window, head_slice

@@ -2,7 +2,7 @@
 parallelism, for any ranks, node size and machine (``burstmpi.model.flat``'s lockstep
 simulation, extended).
 
-* **flat**: ``model._phase`` with each hop's link (NVLink-class inside a node, the
+* **flat**: ``flat._phase`` with each hop's link (NVLink-class inside a node, the
   network between nodes) taken from the ranks' nodes.
 * **two-level** (``burstmpi.ring.twolevel``): per cycle, g lockstep steps whose inner hops run
   inside the node, against one network transfer per rank overlapped with the whole cycle
