@@ -226,7 +226,8 @@ exec "$MPIEXEC" -n "$SLURM_NTASKS" "$@"
 def test_slurm_job_script(tmp_path):
     """examples/slurm_job.sh under a stand-in srun (mpiexec -n 2), with a one-row bench
     and a small example: the bench's JSON and JUnit files, its footer, the example's check,
-    exit 0. Then again against that JSON as a baseline (regression mode)."""
+    exit 0. Then again against that JSON as a baseline (regression mode), and once more
+    against a baseline 100 times faster, where the job must exit 3 (a regression)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     srun = bindir / "srun"
@@ -242,7 +243,10 @@ def test_slurm_job_script(tmp_path):
                EXAMPLE_ARGS="1024")
     env.pop("SLURM_SUBMIT_DIR", None)
     runs = []
-    for extra in ({}, {"BASELINE": str(tmp_path / "baseline.json"), "TOLERANCE": "100"}):
+    fast = tmp_path / "fast.json"
+    cases = [({}, 0), ({"BASELINE": str(tmp_path / "baseline.json"), "TOLERANCE": "100"}, 0),
+             ({"BASELINE": str(fast), "TOLERANCE": "0.10"}, 3)]
+    for extra, status in cases:
         t0 = time.perf_counter()
         proc = subprocess.Popen(["bash", str(EXAMPLES / "slurm_job.sh")], cwd=ROOT, env=dict(env, **extra),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -252,9 +256,9 @@ def test_slurm_job_script(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
             pytest.fail(f"examples/slurm_job.sh hung for 300 s:\n{out[-4000:]}")
-        assert proc.returncode == 0, f"examples/slurm_job.sh failed (exit {proc.returncode}):\n{out[-4000:]}"
+        assert proc.returncode == status, f"examples/slurm_job.sh: exit {proc.returncode}, expected {status}:\n{out[-4000:]}"
         assert "# Out of bounds values : 0 OK" in out, out[-3000:]
-        assert "# burstmpi-bench exit status 0" in out, out[-3000:]
+        assert f"# burstmpi-bench exit status {status}" in out, out[-3000:]
         lines = _checks("slurm_job.sh", out)
         assert SAME in out, out[-2000:]
         rows = json.loads((tmp_path / "out" / "bench.json").read_text())
@@ -262,7 +266,14 @@ def test_slurm_job_script(tmp_path):
         assert (tmp_path / "out" / "junit.xml").is_file()
         if not extra:
             (tmp_path / "out" / "bench.json").rename(tmp_path / "baseline.json")
+            baseline = json.loads((tmp_path / "baseline.json").read_text())
+            for row in baseline["rows"]:  # every time 100 times shorter: the next runs regress
+                row.update({key: value / 100 for key, value in row.items()
+                            if key.endswith("_ms") and isinstance(value, (int, float))})
+            fast.write_text(json.dumps(baseline))
         else:
-            assert re.search(r"# Regressions against .* OK", out), out[-3000:]
-        runs.append(f"  {'with BASELINE' if extra else 'first run'} ({time.perf_counter() - t0:.0f} s): {lines[-1]}")
+            verdict = "OK" if status == 0 else "FAILED"
+            assert re.search(rf"# Regressions against .* {verdict}", out), out[-3000:]
+        what = "first run" if not extra else ("with BASELINE" if status == 0 else "against a faster BASELINE")
+        runs.append(f"  {what} ({time.perf_counter() - t0:.0f} s, exit {proc.returncode}): {lines[-1]}")
     REPORTS.append(("examples/slurm_job.sh under a stand-in srun, SLURM_NTASKS=2", runs))
