@@ -7,6 +7,7 @@ hang fails the test instead of stalling CI. Skipped when already running under m
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,21 @@ pytestmark = [
                        reason="already under mpiexec"),
     pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install mpich)"),
 ]
+
+
+# What the README's, the manual's and examples/' programs print on rank 0 to check themselves.
+CHECK = re.compile(r"largest error against float64 ([0-9.e+-]+)")
+
+
+def printed_checks(what, out, limit):
+    """The check lines a program printed: at least one, each error below ``limit``, and no
+    line saying that the ranks got different bits."""
+    lines = [line for line in out.splitlines() if CHECK.search(line)]
+    assert lines, f"{what} printed no 'largest error against float64':\n{out[-3000:]}"
+    for line in lines:
+        assert float(CHECK.search(line).group(1)) < limit, line
+    assert "the same bits on every rank: False" not in out, out[-3000:]
+    return lines
 
 
 def mpiexec(n, args, timeout, expect_hang=False, via_mpi4py=True, **env_extra):

@@ -22,10 +22,6 @@ from .flat import MACHINES, Machine, Shape, predict, recommend
 from .topology import RINGS, predict_ring, scale_row
 
 
-def _size(ctx, param, value):
-    return parse_size(ctx, param, value)
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """Predict burstmpi's ring before running it; check the predictions against runs."""
@@ -41,7 +37,7 @@ _TABLE = [("layout", "10s"), ("bwd_mode", "6s"), ("fwd_ms", "10.2f"), ("bwd_ms",
 @click.option("--fwd-tflops", type=float, default=None, help="Override the machine's local forward rate.")
 @click.option("--bwd-tflops", type=float, default=None, help="Override the machine's local backward rate.")
 @click.option("-P", "--ranks", default=8, show_default=True)
-@click.option("-N", "--seqlen", default="128K", callback=_size, show_default=True)
+@click.option("-N", "--seqlen", default="128K", callback=parse_size, show_default=True)
 @click.option("-B", "--batch", default=1, show_default=True)
 @click.option("-H", "--heads", default=32, show_default=True)
 @click.option("-K", "--kv-heads", default=None, type=int)
