@@ -14,6 +14,13 @@ BURSTMPI_TILE_K         512         rows of K/V per local tile (NumPy backend)
 BURSTMPI_CPU_KERNELS    auto        the CPU backend's elementwise work: ``numba``
                                     (compiled, fused), ``numpy`` (the pure-NumPy
                                     fallback), ``auto`` = numba when it imports
+BURSTMPI_CPU_GEMM       auto        the compiled float32 forward's GEMMs: ``auto`` =
+                                    our micro-kernel on operands packed once
+                                    (``backends.cpu_packed``) where the CPU has AVX2
+                                    with FMA or AVX-512 and a block's keys meet 64
+                                    query rows or more, else BLAS; ``blas`` = BLAS's
+                                    sgemm on every tile; ``packed`` = the micro-kernel
+                                    on every block (an error without those CPU flags)
 BURSTMPI_BLAS           auto        the BLAS whose sgemm the compiled tile loops call:
                                     ``mkl`` (Intel oneMKL: pip's ``mkl`` wheel, conda,
                                     or the loader path), ``numpy`` (NumPy's own),
@@ -79,6 +86,7 @@ class Settings:
         self.tile_q = _int("BURSTMPI_TILE_Q", 512)
         self.tile_k = _int("BURSTMPI_TILE_K", 512)
         self.cpu_kernels = _choice("BURSTMPI_CPU_KERNELS", "auto", {"auto", "numba", "numpy"})
+        self.cpu_gemm = _choice("BURSTMPI_CPU_GEMM", "auto", {"auto", "blas", "packed"})
         self.blas = _choice("BURSTMPI_BLAS", "auto", {"auto", "mkl", "numpy"})
         self.threads = _int("BURSTMPI_THREADS", 0, minimum=0)
         self.check = _int("BURSTMPI_CHECK", 1, minimum=0) != 0

@@ -69,7 +69,7 @@ class Runtime:
         cfg = settings()
         self.backend_name = cfg.backend if backend == "auto" and cfg.backend != "auto" else backend
         self.tiles, self.check = (cfg.tile_q, cfg.tile_k), cfg.check
-        self._threads, self._cpu_kernels = cfg.threads, cfg.cpu_kernels
+        self._threads, self._cpu_kernels, self._cpu_gemm = cfg.threads, cfg.cpu_kernels, cfg.cpu_gemm
         self._cuda_aware, self._nccl_timeout = cfg.cuda_aware_mpi, cfg.nccl_timeout
         self.backend = None
         # Until the first call picks one (``_host_transport``); a transport a test puts in
@@ -116,7 +116,7 @@ class Runtime:
             threads = threads_per_rank(self.comm, self._threads)  # collective
             error, backend = None, None
             try:  # BURSTMPI_CPU_KERNELS=numba without numba: every rank raises
-                backend = NumpyBackend(*self.tiles, threads=threads, kernels=self._cpu_kernels)
+                backend = NumpyBackend(*self.tiles, threads=threads, kernels=self._cpu_kernels, gemm=self._cpu_gemm)
             except RuntimeError as e:
                 error = e
             agree(self.comm, fn, error, [])

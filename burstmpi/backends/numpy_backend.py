@@ -32,127 +32,13 @@ order: results are bitwise reproducible.
 import numpy as np
 
 from ..config import settings
-from ..masks.intervals import EMPTY, PARTIAL, classify_tiles
 from ..validate import check_out
 from . import numpy_decode, tile_ops
+from .tile_plan import bands as _bands, tile_plan
 from .threads import Workers
 from .workspace import OutputPool, Workspace
 
 __all__ = ["NumpyBackend"]
-
-
-def _tiles(block, size, merge=True):
-    """Tiles of at most ``size`` rows, aligned to where the mask's structure changes.
-
-    Rows are cut into pieces where the position spacing jumps (a zigzag rank's two
-    chunks, far apart) and where a document (or a chunk, or a block of a block-sparse
-    mask: ``Block.start``) starts. A long piece is tiled from its own first row, as if it
-    were alone, so the classification finds its FULL and EMPTY tiles instead of tiles
-    straddling two documents; pieces shorter than a tile (short documents) share one,
-    masked per element, rather than run as many tiny GEMMs, unless ``merge`` is false (a
-    block-sparse filter needs every tile inside one block).
-    """
-    n = len(block.pos)
-    if n == 0:
-        return []
-    cut = np.zeros(n, dtype=bool)
-    cut[0] = True
-    if n > 2:
-        step = np.diff(block.pos)
-        cut[1:] |= step != step[0]
-    cut[1:] |= np.diff(block.start) != 0
-    bounds = np.nonzero(cut)[0].tolist() + [n]
-    tiles, open_tile = [], None  # open_tile: a short tile that later short pieces may join
-    for a, b in zip(bounds, bounds[1:]):
-        if merge and open_tile is not None and b - open_tile[0] <= size:
-            open_tile = (open_tile[0], b)
-            continue
-        if open_tile is not None:
-            tiles.append(open_tile)
-            open_tile = None
-        for s in range(a, b, size):
-            if min(s + size, b) - s == size:
-                tiles.append((s, s + size))
-            else:
-                open_tile = (s, b)
-    if open_tile is not None:
-        tiles.append(open_tile)
-    return tiles
-
-
-def _extremes(pos, tiles):
-    starts = np.array([a for a, _ in tiles])
-    return np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)
-
-
-def _tile_plan(qb, kb, tq, tk, blocks=None):
-    """Rows of (r0, r1, tiles) without empty pairs: query tile r0..r1-1 and the key tiles
-    it sees, as the tile loops take them (``tile_ops.fwd_row``): tiles = (c0, c1, iv, lo,
-    hi), key tile t being columns c0[t]..c1[t]-1, iv[t] -1 where every row sees it whole,
-    else the row of (lo, hi) holding each query token's visible run of its columns.
-
-    ``qb``, ``kb`` are the ``masks.intervals.Block`` of the query and key rows; positions increase
-    along both sides, so a tile's first and last rows bound its visible key intervals,
-    and what a query token sees of a key tile is one run of its columns. ``blocks`` (a
-    ``masks.blocks.BlockFilter``): tiles stay inside blocks (``Block.start`` cuts them
-    there) and the pairs of unset blocks are EMPTY."""
-    if len(qb.pos) == 0 or len(kb.pos) == 0:
-        return []
-    kpos = kb.pos
-    merge = blocks is None
-    qt, kt = _tiles(qb, tq, merge), _tiles(kb, tk, merge)
-    r0s, r1s = np.array([a for a, _ in qt]), np.array([b - 1 for _, b in qt])
-    kmin, kmax = _extremes(kpos, kt)
-    cls = classify_tiles(qb.first[r0s], qb.first[r1s], qb.last[r0s], qb.last[r1s], kmin, kmax)
-    if blocks is not None:
-        cls[~blocks.tile_visible(qb.pos[r0s], kmin)] = EMPTY
-    bounds = np.array(kt, np.int64).reshape(-1, 2)
-    plan = []
-    for i, (r0, r1) in enumerate(qt):
-        js = np.nonzero(cls[i] != EMPTY)[0]
-        if len(js) == 0:
-            continue
-        c0s, c1s, partial = bounds[js, 0], bounds[js, 1], cls[i, js] == PARTIAL
-        if blocks is not None:
-            c0s, c1s, partial = _join_full(c0s, c1s, partial, tk)
-        iv = np.where(partial, np.cumsum(partial) - 1, -1).astype(np.int64)
-        runs = [(np.searchsorted(kpos[c0:c1], qb.first[r0:r1], "left"),
-                 np.searchsorted(kpos[c0:c1], qb.last[r0:r1], "right"))
-                for c0, c1 in zip(c0s[partial], c1s[partial])]
-        lo = np.array([a for a, _ in runs], np.int64).reshape(len(runs), r1 - r0)
-        hi = np.array([b for _, b in runs], np.int64).reshape(len(runs), r1 - r0)
-        plan.append((r0, r1, (c0s.copy(), c1s.copy(), iv, lo, hi)))
-    return plan
-
-
-def _join_full(c0, c1, partial, tk):
-    """A row's key tiles with each run of adjacent FULL tiles (set blocks side by side,
-    whose tiles a block-sparse mask cut apart) joined into tiles of at most ``tk``
-    columns: fewer, wider GEMMs for the same pairs. (c0, c1, partial) of the result."""
-    n = len(c0)
-    full = ~partial
-    join = np.zeros(n, bool)
-    join[1:] = full[1:] & full[:-1] & (c0[1:] == c1[:-1])
-    if not join.any():
-        return c0, c1, partial
-    per = max(1, tk // int((c1 - c0).max()))  # tiles a joined one may hold
-    idx = np.arange(n)
-    since = idx - np.maximum.accumulate(np.where(join, 0, idx))  # place in its run
-    starts = np.flatnonzero(~join | (since % per == 0))
-    ends = np.r_[starts[1:], n] - 1
-    return c0[starts], c1[ends], partial[starts]
-
-
-def _bands(plan, count):
-    """``plan``'s rows cut into at most ``count`` contiguous bands of about equal work
-    (tile pairs), so the backward's items balance when a causal mask makes late rows
-    longer."""
-    if count <= 1 or len(plan) <= 1:
-        return [plan]
-    work = np.cumsum([len(tiles[0]) for _, _, tiles in plan])
-    cuts = np.searchsorted(work, work[-1] * np.arange(1, count) / count, "left") + 1
-    bounds = [0] + sorted(set(int(c) for c in cuts if 0 < c < len(plan))) + [len(plan)]
-    return [plan[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _rows_contiguous(x):
@@ -200,15 +86,35 @@ def _ops(setting):
     return cpu_tiles
 
 
+def _packed(ops, setting):
+    """``cpu_packed`` where the float32 forward's tiles may run on it (the compiled loops, a
+    CPU with its micro-kernel, BURSTMPI_CPU_GEMM not "blas"), else None."""
+    if setting == "blas" or ops is tile_ops:
+        if setting == "packed":
+            raise RuntimeError("BURSTMPI_CPU_GEMM=packed: the packed path runs inside the compiled tile loops, "
+                               "which are unavailable here (BURSTMPI_CPU_KERNELS, numba, sgemm)")
+        return None
+    from . import cpu_packed
+
+    if not cpu_packed.available():
+        if setting == "packed":
+            raise RuntimeError("BURSTMPI_CPU_GEMM=packed: the micro-kernel needs a CPU with AVX2 and FMA, or AVX-512")
+        return None
+    cpu_packed.warm()
+    return cpu_packed
+
+
 class NumpyBackend:
     """Local attention kernels on host memory."""
 
     name = "numpy"
     xp = np
 
-    def __init__(self, tile_q=512, tile_k=512, threads=1, kernels="auto"):
+    def __init__(self, tile_q=512, tile_k=512, threads=1, kernels="auto", gemm="auto"):
         self.tile_q, self.tile_k = tile_q, tile_k
         self.ops = _ops(kernels)  # tile_ops (NumPy) or cpu_tiles (numba)
+        self.packed = _packed(self.ops, gemm)  # cpu_packed, for the float32 forward, or None
+        self.pack_always = gemm == "packed"
         self.workers = Workers(threads)
         # The converted K/V blocks and the accumulators, kept from call to call, and the
         # results' storage, recycled once the caller drops them (``workspace``'s docstring
@@ -317,7 +223,7 @@ class NumpyBackend:
         # within a full tile's; the scaled queries' scratch grows with the rows).
         if 0 < len(kb.pos) < self.tile_k:
             tq *= min(16, self.tile_k // len(kb.pos))
-        return _tile_plan(qb, kb, tq, tk, blocks)
+        return tile_plan(qb, kb, tq, tk, blocks)
 
     # -- forward ----------------------------------------------------------------------
 
@@ -387,17 +293,22 @@ class NumpyBackend:
         B, Zkv, C, g, d = q.shape
         cd = acc.dtype
         ops = self._ops_for(cd)
-        k, v = self._blocks(k, v, cd)
         plan = self._plan(g, qb, kb, blocks)
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
+        packed = self._pack(k, v, plan, g, cd)
+        if packed is None:
+            k, v = self._blocks(k, v, cd)
 
         def item(it, scratch):
             b, z, r0, r1, tiles = it
             n = (r1 - r0) * g
-            ops.fwd_row(self._rows(q[b, z, r0:r1].reshape(n, d), cd, scratch, "q"), k[b, z], v[b, z], *tiles, g, scale,
-                        _tile_rows(acc, b, z, r0, r1), _tile_rows(m, b, z, r0, r1), _tile_rows(l, b, z, r0, r1),
-                        scratch.array("qs", (n * d,), cd), scratch.array("s", (n * width,), cd),
-                        scratch.array("alpha", (n,), cd))
+            rows = self._rows(q[b, z, r0:r1].reshape(n, d), cd, scratch, "q")
+            state = _tile_rows(acc, b, z, r0, r1), _tile_rows(m, b, z, r0, r1), _tile_rows(l, b, z, r0, r1)
+            if packed:
+                self.packed.fwd_row(rows, packed[0][b, z], packed[1][b, z], *tiles, g, scale, *state)
+            else:
+                ops.fwd_row(rows, k[b, z], v[b, z], *tiles, g, scale, *state, scratch.array("qs", (n * d,), cd),
+                            scratch.array("s", (n * width,), cd), scratch.array("alpha", (n,), cd))
 
         # Head by head (the threads then share one head's K and V in cache), each head's
         # longest rows first (a causal mask's last query tiles see the most key tiles), so
@@ -406,6 +317,25 @@ class NumpyBackend:
         plan = sorted(plan, key=lambda row: -len(row[2][0]))
         items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in plan]
         self.workers.run(items, item, poll)
+
+    def _pack(self, k, v, plan, g, cd):
+        """(kp, vp): the block's K and V packed for ``cpu_packed`` (a (batch, KV head) slab per
+        work item, on the workers) when the forward's tiles take that path, else None. It
+        does for float32 when its keys meet 64 query rows or more on average (or always:
+        BURSTMPI_CPU_GEMM=packed): packing copies each key's K and V rows once, and each
+        pair of a tile saves about a copy."""
+        if self.packed is None or cd != np.float32:
+            return None
+        B, Zkv, Ck, d = k.shape
+        if not self.pack_always and g * sum((r1 - r0) * int((t[1] - t[0]).sum()) for r0, r1, t in plan) < 64 * Ck:
+            return None
+        if k.dtype != cd or v.dtype != cd or not (_rows_contiguous(k) and _rows_contiguous(v)):
+            k, v = self._blocks(k, v, cd)  # else packed from where the rows lie (read once each)
+        kp = self.workspace.array("kp", (B, Zkv) + self.packed.k_shape(Ck, d), cd)
+        vp = self.workspace.array("vp", (B, Zkv) + self.packed.v_shape(Ck, v.shape[-1]), cd)
+        self.workers.run([(b, z) for b in range(B) for z in range(Zkv)],
+                         lambda it, scratch: (self.packed.pack_k(k[it], kp[it]), self.packed.pack_v(v[it], vp[it])))
+        return kp, vp
 
     # -- decode (burstmpi.decode.cache) --------------------------------------------------------
 

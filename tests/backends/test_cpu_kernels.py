@@ -12,7 +12,8 @@ import pytest
 import burstmpi
 from burstmpi import reference as ref
 from burstmpi.backends import tile_ops
-from burstmpi.backends.numpy_backend import NumpyBackend, _bands
+from burstmpi.backends.numpy_backend import NumpyBackend
+from burstmpi.backends.tile_plan import bands as _bands
 from burstmpi.backends.threads import Workers, threads_per_rank
 from burstmpi.config import settings
 from burstmpi.interop import bfloat16
