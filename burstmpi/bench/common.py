@@ -137,14 +137,15 @@ def blas_threads(comm):
 
 
 def _cpu_ops():
-    """The CPU backend's tile loops as configured (``tile_ops`` or ``cpu_tiles``), or why
-    they are unavailable (a string)."""
+    """The CPU backend's tile loops as configured (``tile_ops`` or ``cpu_tiles``) and its
+    packed path (``cpu_packed`` or None), or why they are unavailable (a string)."""
     from ..backends.numpy_backend import NumpyBackend
 
     try:
-        return NumpyBackend(kernels=settings().cpu_kernels).ops
+        backend = NumpyBackend(kernels=settings().cpu_kernels, gemm=settings().cpu_gemm)
     except RuntimeError as e:
         return str(e)
+    return backend.ops, backend.packed
 
 
 def cpu_kernels_line(comm):
@@ -156,8 +157,11 @@ def cpu_kernels_line(comm):
     ops = _cpu_ops()
     if isinstance(ops, str):
         return f"#  CPU kernels: unavailable ({ops})"
+    ops, packed = ops
     how = ops.describe() if hasattr(ops, "describe") else ("NumPy tile loops (BURSTMPI_CPU_KERNELS=numpy, or the "
                                                            "compiled ones unavailable: numba or BLAS's sgemm missing)")
+    if packed is not None:
+        how += f"; float32 blocks on {packed.describe()}"
     return (f"#  CPU kernels: {how}; {threads} tile thread(s) per rank, each with 1-threaded BLAS "
             f"(BURSTMPI_THREADS to change)")
 
@@ -261,11 +265,12 @@ def backend_line(comm, dev, transport="auto"):
     ops = _cpu_ops()
     if isinstance(ops, str):
         return "cpu (unavailable: see the CPU kernels line)"
-    if not hasattr(ops, "describe"):
+    if not hasattr(ops[0], "describe"):
         return "cpu (NumPy tile loops over NumPy's BLAS)"
     from ..backends import cpu_blas
 
-    return f"cpu (numba tiles over {cpu_blas.short_name()} sgemm)"
+    packed = "burstmpi's packed micro-kernel and " if ops[1] is not None else ""
+    return f"cpu (numba tiles over {packed}{cpu_blas.short_name()} sgemm)"
 
 
 # The unit of a column, from the last word of its header's second line.

@@ -1,5 +1,5 @@
-"""The packed forward (``burstmpi.backends.cpu_packed``: our micro-kernel on operands packed
-once) against the NumPy tile loops and, end to end, against float64.
+"""The micro-kernel's tile loops (``burstmpi.backends.cpu_packed``) against the NumPy tile
+loops and, end to end, against float64.
 
 Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs it at 2, 3 and 4).
 """
@@ -22,26 +22,6 @@ if not cp.available():
 RNG = np.random.default_rng(11)
 
 
-def _packed(k, v):
-    kp, vp = np.empty(cp.k_shape(*k.shape), np.float32), np.empty(cp.v_shape(k.shape[0], v.shape[1]), np.float32)
-    cp.pack_k(k, kp)
-    cp.pack_v(v, vp)
-    return kp, vp
-
-
-def test_packing_layout():
-    """kp[i, c, x] = k[MR i + x, c] and vp[i, j, x] = v[j, MR i + x], zero past the ends;
-    rows may lie any distance apart (a (batch, head) slab of the caller's array)."""
-    wide = RNG.standard_normal((17, 3, 13)).astype(np.float32)
-    k = wide[:, 1]  # rows 39 floats apart
-    kp, vp = _packed(k, k)
-    mr = cp.MR
-    for j in range(17):
-        for c in range(13):
-            assert kp[j // mr, c, j % mr] == k[j, c] and vp[c // mr, j, c % mr] == k[j, c]
-    assert (kp[-1, :, 17 % mr:] == 0).all() and (vp[-1, :, 13 % mr:] == 0).all()
-
-
 def _intervals(ntok, tk):
     """Random visible runs per token, with a token that sees nothing of the tile and one that
     sees all of it."""
@@ -52,29 +32,41 @@ def _intervals(ntok, tk):
     return lo.astype(np.int64), hi.astype(np.int64)
 
 
-def _row_problem(g, ntok=23, d=24, dv=20, ck=150):
+def _strided(x):
+    """``x``'s values in a read-only view whose rows lie further apart than its width, as a
+    (batch, head) slab of the caller's (B, C, heads, d) array lies."""
+    wide = RNG.standard_normal((x.shape[0], x.shape[1] + 7)).astype(x.dtype)
+    wide[:, 3:3 + x.shape[1]] = x
+    view = wide[:, 3:3 + x.shape[1]]
+    view.flags.writeable = False
+    return view
+
+
+def _row_problem(g, ntok=23, d=26, dv=20, ck=149):
     """A query tile (not a whole number of query panels) over whole and partial key tiles that
-    start off the ``MR`` grid, one partial tile that no row of some query panels sees, and a
-    running state carried in (rows that have seen nothing: m = -inf)."""
+    start off the ``MR`` grid, the last ending at the block's end inside a group of ``MR``
+    keys, head dims that are not multiples of ``MR``, one partial tile that no row of some
+    query panels sees, K and V with rows further apart than their width, and a running state
+    carried in (rows that have seen nothing: m = -inf)."""
     n = ntok * g
     q = RNG.standard_normal((n, d)).astype(np.float32)
     k, v = RNG.standard_normal((ck, d)).astype(np.float32), RNG.standard_normal((ck, dv)).astype(np.float32)
-    c0, c1 = np.array([1, 33, 55, 97, 140], np.int64), np.array([33, 55, 97, 140, 150], np.int64)
+    c0, c1 = np.array([1, 33, 55, 97, 140], np.int64), np.array([33, 55, 97, 140, 149], np.int64)
     iv = np.array([-1, 0, -1, 1, 2], np.int64)
     runs = [_intervals(ntok, 22), _intervals(ntok, 43), (np.zeros(ntok, np.int64), np.zeros(ntok, np.int64))]
-    runs[2][1][-1] = 10  # only the last token sees the last tile: one query panel computes it
+    runs[2][1][-1] = 9  # only the last token sees the last tile: one query panel computes it
     lo, hi = np.stack([a for a, _ in runs]), np.stack([b for _, b in runs])
     m0 = np.where(RNG.random(n) < 0.3, -np.inf, RNG.standard_normal(n)).astype(np.float32)
     state = (RNG.standard_normal((n, dv)).astype(np.float32) * (m0 > -np.inf)[:, None], m0,
              np.where(m0 == -np.inf, 0, RNG.random(n) + 0.5).astype(np.float32))
-    return q, k, v, (c0, c1, iv, lo, hi), state
+    return q, _strided(k), _strided(v), (c0, c1, iv, lo, hi), state
 
 
 def _both(q, k, v, tiles, g, state, scale=0.3):
     """(acc, m, l) from the packed row and from ``tile_ops``' NumPy row, on copies of ``state``."""
     n, d = q.shape
     ours, numpy = (tuple(x.copy() for x in state) for _ in range(2))
-    cp.fwd_row(q, *_packed(k, v), *tiles, g, scale, *ours)
+    cp.fwd_row(q, k, v, *tiles, g, scale, *ours)
     widest = int((tiles[1] - tiles[0]).max())
     tile_ops.fwd_row(q, k, v, *tiles, g, scale, *numpy, np.zeros(n * d, np.float32),
                      np.zeros(n * widest, np.float32), np.zeros(n, np.float32))
@@ -92,12 +84,18 @@ def test_row_matches_numpy(g):
     assert ((ours[1] == -np.inf) == (numpy[1] == -np.inf)).all()
 
 
-def test_row_nan_and_inf_reach_what_numpy_lets_them():
-    """A NaN in a key row and an inf in a query reach exactly the outputs and lse (and only
-    those) that the NumPy loop lets them reach: no silent 0 from the packed path. (The
+@pytest.mark.parametrize("where", ["whole", "partial"])
+def test_row_nan_and_inf_reach_what_numpy_lets_them(where):
+    """A NaN in K or V and an inf in a query reach exactly the outputs and lse (and only
+    those) that the NumPy loop lets them reach: no silent 0 from the micro-kernel. (The
     running max may skip a NaN score, as the compiled sgemm loops' does; the sum does not.)"""
     q, k, v, tiles, state = _row_problem(2)
-    k[40, 3] = np.nan  # in the whole tile 55..97: every row that sees it
+    k, v = k.copy(), v.copy()
+    if where == "whole":
+        k[70, 3] = np.nan  # in the whole tile 55..97: every row
+    else:
+        k[40, 1] = np.nan  # in the partial tile 33..55: the rows that see key 40 (a NaN in V
+        # reaches every row of the tile's GEMM, through 0 * NaN, in both loops)
     q[7, 0] = np.inf
     ours, numpy = _both(q, k, v, tiles, 2, state)
     with np.errstate(invalid="ignore", divide="ignore"):  # what the finalisation makes of them: out, lse
@@ -106,7 +104,8 @@ def test_row_nan_and_inf_reach_what_numpy_lets_them():
         assert np.array_equal(np.isnan(a), np.isnan(b))
         fine = ~np.isnan(b)
         np.testing.assert_allclose(a[fine], b[fine], rtol=2e-5, atol=2e-5)
-    assert np.isnan(done[0][0]).any()
+    rows = np.isnan(done[0][0]).any(axis=1)
+    assert rows.all() if where == "whole" else 1 < rows.sum() < rows.size
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,3 +169,35 @@ def test_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv("BURSTMPI_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match=r"BURSTMPI_CPU_GEMM: expected one of \['auto', 'blas', 'packed'\], got 'fast'"):
         burstmpi.BurstAttention()
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_backward_row_matches_numpy(g):
+    """One query tile's gradients over whole and partial key tiles (off the packing grid,
+    one seen by a single query panel), each side skipped in turn (the two-way ring): the
+    same dq, dk, dv as the NumPy loop's within float32 rounding; a row that sees no key
+    (lse +inf) gets no gradient."""
+    q, k, v, tiles, _ = _row_problem(g)
+    n, d = q.shape
+    do = RNG.standard_normal((n, v.shape[1])).astype(np.float32)
+    D = RNG.standard_normal(n).astype(np.float32)
+    lse = (RNG.standard_normal(n) + 4).astype(np.float32)
+    lse[2] = np.inf
+    widest = int((tiles[1] - tiles[0]).max())
+    for sides in ((True, True), (True, False), (False, True)):
+        grads = {}
+        for name in ("packed", "numpy"):
+            dq = np.ones((n, d), np.float32) if sides[0] else None
+            dk, dv = (np.ones(x.shape, np.float32) for x in (k, v)) if sides[1] else (None, None)
+            if name == "packed":
+                cp.bwd_row(q, do, D, lse, k, v, *tiles, g, 0.3, dq, dk, dv)
+            else:
+                tile_ops.bwd_row(q, do, D, lse, k, v, *tiles, g, 0.3, dq, dk, dv, np.zeros(n * d, np.float32),
+                                 np.zeros(n * widest, np.float32), np.zeros(n * widest, np.float32))
+            grads[name] = dq, dk, dv
+        for a, b in zip(grads["packed"], grads["numpy"]):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-5)
+        if sides[0]:
+            assert (grads["packed"][0][2] == 1).all()

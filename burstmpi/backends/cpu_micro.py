@@ -1,0 +1,255 @@
+"""The micro-kernel of the packed CPU path (``cpu_packed``), written in LLVM IR for numba.
+
+``micro_set`` / ``micro_add`` compute one ``MR`` x ``NR`` block of C = A B over a sum of
+``kc`` terms, with A and B packed so that each term's operands are adjacent: A as ``kc``
+groups of ``MR`` floats, B as ``kc`` groups of ``NR``. ``MR`` rows of two vectors of
+accumulators stay in registers for the whole sum (12 of AVX2's 16 registers for ``MR`` =
+6 and 8-float vectors: enough independent FMAs to hide their latency, with room for B's
+two vectors and A's broadcast element), then go to C once. ``exp_sweep`` is the
+softmax's exponential over rows of ``NR`` floats, vectorised the same way, with
+``cpu_kernels``' arithmetic.
+
+Written as IR because numba's loops give LLVM no way to keep a block of accumulators in
+registers (a plain triple loop over a local array ran at 4.3 GFLOP/s here), and LLVM's
+intrinsics (``llvm.fma``, ``llvm.maxnum``, ``llvm.floor`` on vectors) are portable: the
+same IR compiles for 16-float vectors where the CPU has AVX-512 (``LANES``; ``NR`` = 32).
+Measured on one AVX2 core (EPYC, znver3, 2026-12-03), 128 x 128 x 128 from packed
+operands: 96 GFLOP/s, against sgemm's 83 on the same shapes unpacked (89.5 at 512 x 512).
+"""
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = ["LANES", "MR", "NR", "available", "micro_set", "micro_add", "micro_set_rows", "micro_add_rows", "exp_sweep"]
+
+
+def _host_lanes():
+    """Floats per vector register of this CPU for the micro-kernel: 16 with AVX-512, 8 with
+    AVX2 and FMA, 0 (no packed path) without them."""
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512f", False):
+        return 16
+    return 8 if features.get("avx2", False) and features.get("fma", False) else 0
+
+
+LANES = _host_lanes()
+MR = 6
+NR = 2 * max(LANES, 8)
+
+def available():
+    """Does this CPU run the packed path (AVX2 with FMA, or AVX-512)?"""
+    return LANES > 0
+
+
+_LANES_IR = NR // 2
+_f32, _i64, _i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+_VEC, _IVEC = ir.VectorType(_f32, _LANES_IR), ir.VectorType(_i32, _LANES_IR)
+_I64 = types.int64
+
+
+def _const(i):
+    return ir.Constant(_i64, i)
+
+
+def _splat(x):
+    return ir.Constant(_VEC, [float(x)] * _LANES_IR)
+
+
+def _vector_intrinsic(builder, name):
+    """The LLVM intrinsic ``name`` (llvm.fma, llvm.maxnum, llvm.floor) on our vectors."""
+    full = f"{name}.v{_LANES_IR}f32"
+    arity = 3 if name == "llvm.fma" else 2 if name == "llvm.maxnum" else 1
+    return builder.module.globals.get(full) or ir.Function(builder.module, ir.FunctionType(_VEC, [_VEC] * arity), full)
+
+
+def _vectors(builder, base, row, stride):
+    """Pointers to the two vectors of row ``row`` (``stride`` floats a row) from float* ``base``."""
+    start = builder.gep(base, [builder.mul(row, stride) if isinstance(stride, ir.Value) else builder.mul(row, _const(stride))])
+    return [builder.bitcast(builder.gep(start, [_const(h * _LANES_IR)]), _VEC.as_pointer()) for h in range(2)]
+
+
+def _loop(builder, count, carried):
+    """Open a counted loop ``for p in range(count)`` carrying the vectors ``carried``
+    (initial values); return (p, the carried phis, close), where ``close(values)`` ends the
+    body with the next values and leaves the builder after the loop, returning the final
+    values (``carried`` when count <= 0)."""
+    entry = builder.block
+    body, after = builder.append_basic_block("packed.loop"), builder.append_basic_block("packed.after")
+    builder.cbranch(builder.icmp_signed(">", count, _const(0)), body, after)
+    builder.position_at_end(body)
+    p = builder.phi(_i64)
+    p.add_incoming(_const(0), entry)
+    phis = [builder.phi(x.type) for x in carried]
+    for phi, x in zip(phis, carried):
+        phi.add_incoming(x, entry)
+
+    def close(values):
+        following = builder.add(p, _const(1))
+        end = builder.block
+        p.add_incoming(following, end)
+        for phi, x in zip(phis, values):
+            phi.add_incoming(x, end)
+        builder.cbranch(builder.icmp_signed("<", following, count), body, after)
+        builder.position_at_end(after)
+        finals = []
+        for x, y in zip(carried, values):  # LLVM wants a block's phis first
+            finals.append(builder.phi(x.type))
+            finals[-1].add_incoming(x, entry)
+            finals[-1].add_incoming(y, end)
+        return finals
+
+    return p, phis, close
+
+
+def _micro(rows, accumulate):
+    """The micro-kernel for ``rows`` rows (at most ``MR``), as a numba intrinsic: ``c[x, :] (+)=
+    sum_p a[p, x] * b[p, :]`` for the rows x of c, where a's element (p, x) lies at ``a + p *
+    sp + x * sx`` (strides in floats: A is read where it lies, a matrix or its transpose,
+    with any row stride), ``b`` is ``kc`` groups of ``NR`` floats, and c's rows lie ``ldc``
+    floats apart (addresses as int64). ``accumulate`` False: c is overwritten, and the rows
+    x with ``rlo <= x < rhi`` are also folded into the ``NR`` running maxima at ``mx`` (the
+    softmax's first sweep, while the rows are still in registers)."""
+
+    def codegen(context, builder, signature, args):
+        a_addr, sx, sp, b_addr, kc, c_addr, ldc, mx_addr, rlo, rhi = args if len(args) == 10 else args + (None,) * 3
+        fptr = _f32.as_pointer()
+        a0, b0, c0 = (builder.inttoptr(x, fptr) for x in (a_addr, b_addr, c_addr))
+        m0 = None if accumulate else builder.inttoptr(mx_addr, fptr)
+        fma = _vector_intrinsic(builder, "llvm.fma")
+        splat = ir.Constant(_IVEC, [0] * _LANES_IR)
+        p, accs, close = _loop(builder, kc, [_splat(0)] * (2 * rows))
+        bv = [builder.load(x, align=4) for x in _vectors(builder, b0, p, NR)]
+        arow = builder.gep(a0, [builder.mul(p, sp)])
+        new = []
+        for x in range(rows):
+            ax = builder.load(builder.gep(arow, [builder.mul(_const(x), sx)]), align=4)
+            ax = builder.insert_element(ir.Constant(_VEC, ir.Undefined), ax, ir.Constant(_i32, 0))
+            ax = builder.shuffle_vector(ax, ir.Constant(_VEC, ir.Undefined), splat)
+            new += [builder.call(fma, [ax, bv[h], accs[2 * x + h]]) for h in range(2)]
+        totals = close(new)
+        if not accumulate:
+            maxnum = _vector_intrinsic(builder, "llvm.maxnum")
+            at_max = _vectors(builder, m0, _const(0), NR)
+            best = [builder.load(x, align=4) for x in at_max]
+        for x in range(rows):
+            at = _vectors(builder, c0, _const(x), ldc)
+            if not accumulate:
+                inside = builder.and_(builder.icmp_signed("<=", rlo, _const(x)), builder.icmp_signed(">", rhi, _const(x)))
+            for h in range(2):
+                total = totals[2 * x + h]
+                if accumulate:
+                    total = builder.fadd(builder.load(at[h], align=4), total)
+                else:
+                    best[h] = builder.select(inside, builder.call(maxnum, [best[h], total]), best[h])
+                builder.store(total, at[h], align=4)
+        if not accumulate:
+            for h in range(2):
+                builder.store(best[h], at_max[h], align=4)
+        return context.get_dummy_value()
+
+    if accumulate:
+        @intrinsic
+        def micro(typingctx, a, sx, sp, b, kc, c, ldc):
+            return types.void(*(_I64,) * 7), codegen
+    else:
+        @intrinsic
+        def micro(typingctx, a, sx, sp, b, kc, c, ldc, mx, rlo, rhi):
+            return types.void(*(_I64,) * 10), codegen
+    return micro
+
+
+micro_set, micro_add = _micro(MR, False), _micro(MR, True)
+# The rows past a matrix's last whole group of MR (numba calls globals, not list items).
+_set1, _set2, _set3, _set4, _set5 = (_micro(r, False) for r in range(1, MR))
+_add1, _add2, _add3, _add4, _add5 = (_micro(r, True) for r in range(1, MR))
+
+
+@njit(cache=True)
+def micro_set_rows(rows, a, sx, sp, b, kc, c, ldc, mx, rlo, rhi):
+    """``micro_set`` for the first ``rows`` rows only (1 to ``MR``): the last rows of a matrix,
+    where reading ``MR`` would run past its end."""
+    if rows >= MR:
+        micro_set(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
+    elif rows == 1:
+        _set1(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
+    elif rows == 2:
+        _set2(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
+    elif rows == 3:
+        _set3(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
+    elif rows == 4:
+        _set4(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
+    elif rows == 5:
+        _set5(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
+
+
+@njit(cache=True)
+def micro_add_rows(rows, a, sx, sp, b, kc, c, ldc):
+    """``micro_add`` for the first ``rows`` rows only (1 to ``MR``)."""
+    if rows >= MR:
+        micro_add(a, sx, sp, b, kc, c, ldc)
+    elif rows == 1:
+        _add1(a, sx, sp, b, kc, c, ldc)
+    elif rows == 2:
+        _add2(a, sx, sp, b, kc, c, ldc)
+    elif rows == 3:
+        _add3(a, sx, sp, b, kc, c, ldc)
+    elif rows == 4:
+        _add4(a, sx, sp, b, kc, c, ldc)
+    elif rows == 5:
+        _add5(a, sx, sp, b, kc, c, ldc)
+
+
+# cpu_kernels' exp (``_exp_reduced``), on vectors: e^y = 2^n e^r, n = round(y / ln 2).
+_EXP = dict(log2e=1.4426950408889634, ln2_hi=0.693359375, ln2_lo=-2.12194440e-4, lo=-87.0, hi=88.0,
+            poly=(1.0, 1.0, 0.49999991059303284, 0.16666419804096222, 0.041668202728033066,
+                  0.00837482325732708, 0.001383816939778626))
+
+
+@intrinsic
+def exp_sweep(typingctx, pt, rows, sh, tot):
+    """Rows 0..rows-1 of ``pt`` (``NR`` floats a row) become exp(pt - sh) (one shift a
+    column), and ``tot`` the columns' sums: the softmax's second sweep over a tile every
+    query sees, and the backward's P = exp(S - lse). As ``cpu_kernels.fexp`` computes it:
+    exactly 0 below -87 (an lse of +inf, a row that sees no key, gives 0), and a NaN stays
+    NaN."""
+    sig = types.void(*(_I64,) * 4)
+
+    def codegen(context, builder, signature, args):
+        pt_addr, rows, sh_addr, tot_addr = args
+        fptr = _f32.as_pointer()
+        p0, s0, t0 = (builder.inttoptr(x, fptr) for x in (pt_addr, sh_addr, tot_addr))
+        floor = _vector_intrinsic(builder, "llvm.floor")
+        shift = [builder.load(x, align=4) for x in _vectors(builder, s0, _const(0), NR)]
+        p, sums, close = _loop(builder, rows, [_splat(0)] * 2)
+        at = _vectors(builder, p0, p, NR)
+        new = []
+        for h in range(2):
+            y = builder.fsub(builder.load(at[h], align=4), shift[h])
+            # Clamped to [-87, 88] (NaN to -87) before the arithmetic, whose float-to-int
+            # conversion must not see a NaN or an infinity; the result is 0 below -87, and
+            # NaN for a NaN.
+            lo, hi = _splat(_EXP["lo"]), _splat(_EXP["hi"])
+            kept = builder.fcmp_ordered(">=", y, lo)
+            nan = builder.fcmp_unordered("uno", y, y)
+            z = builder.select(kept, y, lo)
+            z = builder.select(builder.fcmp_ordered("<=", z, hi), z, hi)
+            n = builder.call(floor, [builder.fadd(builder.fmul(z, _splat(_EXP["log2e"])), _splat(0.5))])
+            r = builder.fsub(z, builder.fmul(n, _splat(_EXP["ln2_hi"])))
+            r = builder.fsub(r, builder.fmul(n, _splat(_EXP["ln2_lo"])))
+            poly = _splat(_EXP["poly"][6])
+            for c in _EXP["poly"][5::-1]:
+                poly = builder.fadd(builder.fmul(poly, r), _splat(c))
+            bits = builder.shl(builder.add(builder.fptosi(n, _IVEC), ir.Constant(_IVEC, [127] * _LANES_IR)),
+                               ir.Constant(_IVEC, [23] * _LANES_IR))
+            e = builder.select(kept, builder.fmul(poly, builder.bitcast(bits, _VEC)), _splat(0))
+            e = builder.select(nan, y, e)
+            builder.store(e, at[h], align=4)
+            new.append(builder.fadd(sums[h], e))
+        finals = close(new)
+        for x, total in zip(_vectors(builder, t0, _const(0), NR), finals):
+            builder.store(total, x, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
