@@ -19,10 +19,10 @@ operands: 96 GFLOP/s, against sgemm's 83 on the same shapes unpacked (89.5 at 51
 
 import llvmlite.binding as llvm
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["LANES", "MR", "NR", "available", "micro_set", "micro_add", "micro_set_rows", "micro_add_rows", "exp_sweep"]
+__all__ = ["LANES", "MR", "NR", "available", "micro_set", "micro_add", "exp_sweep"]
 
 
 def _host_lanes():
@@ -103,28 +103,27 @@ def _loop(builder, count, carried):
     return p, phis, close
 
 
-def _micro(rows, accumulate):
-    """The micro-kernel for ``rows`` rows (at most ``MR``), as a numba intrinsic: ``c[x, :] (+)=
-    sum_p a[p, x] * b[p, :]`` for the rows x of c, where a's element (p, x) lies at ``a + p *
-    sp + x * sx`` (strides in floats: A is read where it lies, a matrix or its transpose,
-    with any row stride), ``b`` is ``kc`` groups of ``NR`` floats, and c's rows lie ``ldc``
-    floats apart (addresses as int64). ``accumulate`` False: c is overwritten, and the rows
-    x with ``rlo <= x < rhi`` are also folded into the ``NR`` running maxima at ``mx`` (the
-    softmax's first sweep, while the rows are still in registers)."""
+def _micro(accumulate):
+    """The micro-kernel, as a numba intrinsic: ``c[x, :] (+)= sum_p a[p, x] * b[p, :]`` for the
+    ``MR`` rows x of c, where ``a`` is ``kc`` groups of ``MR`` floats, ``b``
+    ``kc`` groups of ``NR``, and c's rows lie ``ldc`` floats apart (addresses as int64).
+    ``accumulate`` False: c is overwritten, and the rows x with ``rlo <= x < rhi`` are also
+    folded into the ``NR`` running maxima at ``mx`` (the softmax's first sweep, while the
+    rows are still in registers)."""
 
     def codegen(context, builder, signature, args):
-        a_addr, sx, sp, b_addr, kc, c_addr, ldc, mx_addr, rlo, rhi = args if len(args) == 10 else args + (None,) * 3
+        a_addr, b_addr, kc, c_addr, ldc, mx_addr, rlo, rhi = args if len(args) == 8 else args + (None,) * 3
         fptr = _f32.as_pointer()
         a0, b0, c0 = (builder.inttoptr(x, fptr) for x in (a_addr, b_addr, c_addr))
         m0 = None if accumulate else builder.inttoptr(mx_addr, fptr)
         fma = _vector_intrinsic(builder, "llvm.fma")
         splat = ir.Constant(_IVEC, [0] * _LANES_IR)
-        p, accs, close = _loop(builder, kc, [_splat(0)] * (2 * rows))
+        p, accs, close = _loop(builder, kc, [_splat(0)] * (2 * MR))
         bv = [builder.load(x, align=4) for x in _vectors(builder, b0, p, NR)]
-        arow = builder.gep(a0, [builder.mul(p, sp)])
+        arow = builder.gep(a0, [builder.mul(p, _const(MR))])
         new = []
-        for x in range(rows):
-            ax = builder.load(builder.gep(arow, [builder.mul(_const(x), sx)]), align=4)
+        for x in range(MR):
+            ax = builder.load(builder.gep(arow, [_const(x)]), align=4)
             ax = builder.insert_element(ir.Constant(_VEC, ir.Undefined), ax, ir.Constant(_i32, 0))
             ax = builder.shuffle_vector(ax, ir.Constant(_VEC, ir.Undefined), splat)
             new += [builder.call(fma, [ax, bv[h], accs[2 * x + h]]) for h in range(2)]
@@ -133,7 +132,7 @@ def _micro(rows, accumulate):
             maxnum = _vector_intrinsic(builder, "llvm.maxnum")
             at_max = _vectors(builder, m0, _const(0), NR)
             best = [builder.load(x, align=4) for x in at_max]
-        for x in range(rows):
+        for x in range(MR):
             at = _vectors(builder, c0, _const(x), ldc)
             if not accumulate:
                 inside = builder.and_(builder.icmp_signed("<=", rlo, _const(x)), builder.icmp_signed(">", rhi, _const(x)))
@@ -151,55 +150,16 @@ def _micro(rows, accumulate):
 
     if accumulate:
         @intrinsic
-        def micro(typingctx, a, sx, sp, b, kc, c, ldc):
-            return types.void(*(_I64,) * 7), codegen
+        def micro(typingctx, a, b, kc, c, ldc):
+            return types.void(*(_I64,) * 5), codegen
     else:
         @intrinsic
-        def micro(typingctx, a, sx, sp, b, kc, c, ldc, mx, rlo, rhi):
-            return types.void(*(_I64,) * 10), codegen
+        def micro(typingctx, a, b, kc, c, ldc, mx, rlo, rhi):
+            return types.void(*(_I64,) * 8), codegen
     return micro
 
 
-micro_set, micro_add = _micro(MR, False), _micro(MR, True)
-# The rows past a matrix's last whole group of MR (numba calls globals, not list items).
-_set1, _set2, _set3, _set4, _set5 = (_micro(r, False) for r in range(1, MR))
-_add1, _add2, _add3, _add4, _add5 = (_micro(r, True) for r in range(1, MR))
-
-
-@njit(cache=True)
-def micro_set_rows(rows, a, sx, sp, b, kc, c, ldc, mx, rlo, rhi):
-    """``micro_set`` for the first ``rows`` rows only (1 to ``MR``): the last rows of a matrix,
-    where reading ``MR`` would run past its end."""
-    if rows >= MR:
-        micro_set(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
-    elif rows == 1:
-        _set1(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
-    elif rows == 2:
-        _set2(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
-    elif rows == 3:
-        _set3(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
-    elif rows == 4:
-        _set4(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
-    elif rows == 5:
-        _set5(a, sx, sp, b, kc, c, ldc, mx, rlo, rhi)
-
-
-@njit(cache=True)
-def micro_add_rows(rows, a, sx, sp, b, kc, c, ldc):
-    """``micro_add`` for the first ``rows`` rows only (1 to ``MR``)."""
-    if rows >= MR:
-        micro_add(a, sx, sp, b, kc, c, ldc)
-    elif rows == 1:
-        _add1(a, sx, sp, b, kc, c, ldc)
-    elif rows == 2:
-        _add2(a, sx, sp, b, kc, c, ldc)
-    elif rows == 3:
-        _add3(a, sx, sp, b, kc, c, ldc)
-    elif rows == 4:
-        _add4(a, sx, sp, b, kc, c, ldc)
-    elif rows == 5:
-        _add5(a, sx, sp, b, kc, c, ldc)
-
+micro_set, micro_add = _micro(False), _micro(True)
 
 # cpu_kernels' exp (``_exp_reduced``), on vectors: e^y = 2^n e^r, n = round(y / ln 2).
 _EXP = dict(log2e=1.4426950408889634, ln2_hi=0.693359375, ln2_lo=-2.12194440e-4, lo=-87.0, hi=88.0,
