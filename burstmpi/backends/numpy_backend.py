@@ -19,10 +19,13 @@ query tile), since BLAS has no fast half-precision GEMM. The running softmax sta
 (acc, m, l) is unnormalised and lives across ring steps, so each step's block merges into
 it inside the tile loop exactly as FlashAttention-2 merges one K tile into the next.
 
-The GEMMs are BLAS's. A query tile's loop over its key tiles is ``self.ops``'s
-``fwd_row`` / ``bwd_row``: compiled with numba in ``cpu_tiles`` (BLAS called from machine
-code, fused elementwise sweeps between the GEMMs) or in NumPy in ``tile_ops``
-(``BURSTMPI_CPU_KERNELS``); this module plans the tiles and hands them out. Work items (a
+A query tile's loop over its key tiles is ``self.ops``'s ``fwd_row`` / ``bwd_row``:
+compiled with numba in ``cpu_tiles`` (BLAS's sgemm called from machine code, fused
+elementwise sweeps between the GEMMs) or in NumPy in ``tile_ops``
+(``BURSTMPI_CPU_KERNELS``). The float32 forward runs on ``cpu_packed`` instead where the
+CPU has its micro-kernel and a block's keys meet enough query rows to pay for packing K
+and V once (``BURSTMPI_CPU_GEMM``). ``tile_plan`` plans the tiles; this module converts
+and packs the blocks and hands the tiles out. Work items (a
 query tile of one batch and KV head, or in the backward a band of them; for the sweeps
 over whole blocks, zeroing and writing results out, a range of tokens) run on
 ``threads`` threads (``threads.Workers``), each writing only its own rows in a fixed tile
