@@ -134,9 +134,9 @@ def test_row_nan_and_inf_reach_what_numpy_lets_them(where):
 @pytest.mark.parametrize("mask", ["causal", "window", "blocks", "sinks"])
 def test_packed_forward_against_float64(mask, dtype, monkeypatch):
     """BURSTMPI_CPU_GEMM=packed, every forward block on the micro-kernel (the backward on
-    sgemm): within flash-attn's rule
-    against float64, with GQA, an odd length, tiles smaller than the block (whole, partial
-    and skipped ones) and masks whose tiles start off the packing grid."""
+    sgemm): within flash-attn's rule against float64, with GQA, an odd length, tiles
+    smaller than the block (whole, partial and skipped ones) and masks whose tiles start
+    off the packing grid."""
     monkeypatch.setenv("BURSTMPI_CPU_GEMM", "packed")
     monkeypatch.setenv("BURSTMPI_TILE_Q", "40")
     monkeypatch.setenv("BURSTMPI_TILE_K", "22")
