@@ -192,3 +192,19 @@ def test_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv("BURSTMPI_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match=r"BURSTMPI_CPU_GEMM: expected one of \['auto', 'blas', 'packed'\], got 'fast'"):
         burstmpi.BurstAttention()
+
+
+def test_auto_packs_where_the_keys_meet_512_query_rows():
+    """BURSTMPI_CPU_GEMM=auto: a block is packed when its keys meet 512 query rows or more on
+    average (the plan's pairs over its keys; GQA rows count), else the forward calls sgemm;
+    float64 never."""
+    from burstmpi.backends.numpy_backend import NumpyBackend
+
+    backend = NumpyBackend(kernels="numba", gemm="auto")
+    ck, d = 96, 16
+    k = v = np.zeros((1, 1, ck, d), np.float32)
+    tiles = lambda w: (np.array([0]), np.array([w]), np.array([-1]), np.zeros((0, 1)), np.zeros((0, 1)))
+    assert backend._pack(k, v, [(0, 256, tiles(ck))], 2, np.dtype(np.float32)) is not None  # 512 rows a key
+    assert backend._pack(k, v, [(0, 255, tiles(ck))], 2, np.dtype(np.float32)) is None
+    assert backend._pack(k.astype(np.float64), v.astype(np.float64), [(0, 4096, tiles(ck))], 1, np.dtype(np.float64)) is None
+    assert NumpyBackend(kernels="numba", gemm="blas").packed is None
