@@ -38,6 +38,7 @@ LANES = _host_lanes()
 MR = 6
 NR = 2 * max(LANES, 8)
 
+
 def available():
     """Does this CPU run the packed path (AVX2 with FMA, or AVX-512)?"""
     return LANES > 0
@@ -105,8 +106,8 @@ def _loop(builder, count, carried):
 
 def _micro(accumulate):
     """The micro-kernel, as a numba intrinsic: ``c[x, :] (+)= sum_p a[p, x] * b[p, :]`` for the
-    ``MR`` rows x of c, where ``a`` is ``kc`` groups of ``MR`` floats, ``b``
-    ``kc`` groups of ``NR``, and c's rows lie ``ldc`` floats apart (addresses as int64).
+    ``MR`` rows x of c, where ``a`` is ``kc`` groups of ``MR`` floats, ``b`` ``kc`` groups
+    of ``NR``, and c's rows lie ``ldc`` floats apart (addresses as int64).
     ``accumulate`` False: c is overwritten, and the rows x with ``rlo <= x < rhi`` are also
     folded into the ``NR`` running maxima at ``mx`` (the softmax's first sweep, while the
     rows are still in registers)."""
@@ -170,10 +171,9 @@ _EXP = dict(log2e=1.4426950408889634, ln2_hi=0.693359375, ln2_lo=-2.12194440e-4,
 @intrinsic
 def exp_sweep(typingctx, pt, rows, sh, tot):
     """Rows 0..rows-1 of ``pt`` (``NR`` floats a row) become exp(pt - sh) (one shift a
-    column), and ``tot`` the columns' sums: the softmax's second sweep over a tile every
-    query sees, and the backward's P = exp(S - lse). As ``cpu_kernels.fexp`` computes it:
-    exactly 0 below -87 (an lse of +inf, a row that sees no key, gives 0), and a NaN stays
-    NaN."""
+    column), and ``tot`` the columns' sums: the softmax's second sweep over the rows every
+    query of a panel sees. As ``cpu_kernels.fexp`` computes it, exactly 0 below -87, but a
+    NaN stays NaN (a NaN score must reach its row)."""
     sig = types.void(*(_I64,) * 4)
 
     def codegen(context, builder, signature, args):
