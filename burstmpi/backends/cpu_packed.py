@@ -29,8 +29,9 @@ f380212 has it).
 Keys need not start at a multiple of ``MR``: a tile from column c0 starts at the panel
 holding c0 and ignores the rows before it (``c0 % MR``) and past its end. Per query panel
 only the key panels some query of it sees are computed (a causal diagonal tile costs
-about half of a whole one), and elements are tested only in tiles that are partly visible
-(``iv >= 0``), with ``cpu_kernels``' arithmetic: the same exp, the same rules for rows
+about half of a whole one), and only the rows of a partly visible tile (``iv >= 0``) that
+some query of the panel does not see are masked (-inf, a vectorised select) before the one
+exponential sweep; all with ``cpu_kernels``' arithmetic: the same exp, the same rules for rows
 that see nothing (m stays -inf, alpha 1) and for NaN (it reaches the row's output and
 lse). Results are bitwise reproducible; they differ from ``cpu_tiles``' in rounding only
 (another summation order).
@@ -41,14 +42,14 @@ import time
 import numpy as np
 from numba import njit, types
 
-from .cpu_kernels import _FM, _exp_reduced, _fmax, fexp, wide_vectors
+from .cpu_kernels import _FM, _fmax, fexp, wide_vectors
 from .cpu_micro import LANES, MR, NR, available, exp_sweep as _exp_sweep, micro_add as _micro_add, micro_set as _micro_set
 
 __all__ = ["LANES", "MR", "NR", "available", "packed_shape", "pack", "pack_k", "pack_v", "fwd_row", "warm", "describe"]
 
 _F = np.float32
-_ZERO, _ONE = _F(0.0), _F(1.0)
-_LO, _HI = _F(-87.0), _F(88.0)
+_ZERO, _NEG = _F(0.0), _F(-np.inf)
+_ROWS = 32  # rows of V per pass of pack_v
 
 
 @njit(inline="always", cache=True)
@@ -79,27 +80,26 @@ def pack_k(k, kp):
 @njit(nogil=True, cache=True)
 def pack_v(v, vp):
     """V (Ck, dv), any row stride, into panels of ``MR`` value columns: ``vp`` (ceil(dv /
-    MR), Ck, MR), the columns past dv zero. Row by row: V is read once, in order."""
+    MR), Ck, MR), the columns past dv zero. ``_ROWS`` rows at a time, panel by panel: those
+    rows stay in L1 while every panel takes its ``MR`` columns of them, and each panel is
+    written in order (0.37-0.46 ns a float on one core, against 0.74-1.28 row by row
+    through array views, for 4096 x 128 with rows 512 B and 4 KB apart, 2026-12-04)."""
     ck, dv = v.shape
+    flat = vp.reshape(-1)
     whole = dv // MR
-    for j in range(ck):
-        row = v[j]
-        for i in range(whole):  # six columns at a time, no test per element
-            dst, c = vp[i, j], i * MR
-            dst[0], dst[1], dst[2], dst[3], dst[4], dst[5] = row[c], row[c + 1], row[c + 2], row[c + 3], row[c + 4], row[c + 5]
-        for i in range(whole, vp.shape[0]):
-            dst = vp[i, j]
-            for x in range(MR):
-                c = i * MR + x
-                dst[x] = row[c] if c < dv else _ZERO
-
-
-@njit(inline="always", fastmath=_FM, cache=True)
-def _exp(x):
-    """e^x as ``cpu_micro.exp_sweep`` computes it, for one element: exactly 0 below -87 (and
-    for -inf), NaN for NaN (``cpu_kernels.fexp`` gives 0 there: a NaN score must reach
-    its row)."""
-    return _ZERO if x < _LO else _exp_reduced(min(x, _HI))
+    for j0 in range(0, ck, _ROWS):
+        j1 = min(ck, j0 + _ROWS)
+        for i in range(vp.shape[0]):
+            c0, o = i * MR, (i * ck + j0) * MR
+            for j in range(j0, j1):
+                row = v[j]
+                if i < whole:
+                    for x in range(MR):
+                        flat[o + x] = row[c0 + x]
+                else:  # the last panel, past dv
+                    for x in range(MR):
+                        flat[o + x] = row[c0 + x] if c0 + x < dv else _ZERO
+                o += MR
 
 
 @njit(inline="always", cache=True)
@@ -119,26 +119,17 @@ def _lanes(x, scale, out, n):
 
 
 @njit(inline="always", fastmath=_FM, cache=True)
-def _partial_max(pt, a, b, jlo, jhi, mx):
-    """Fold rows a..b-1 of ``pt`` into the maxima ``mx``, query y only where it sees the row
-    (jlo[y] <= row < jhi[y])."""
+def _hide(pt, a, b, jlo, jhi, mx):
+    """Rows a..b-1 of ``pt``: -inf where query y does not see the row (jlo[y] <= row <
+    jhi[y]), so that the exponential sweep makes them 0, and the rest folded into the
+    maxima ``mx``. A select per element, no branch, so the loop over a row's ``NR`` queries
+    vectorises."""
     for j in range(a, b):
         row = pt[j]
         for y in range(NR):
-            if jlo[y] <= j and j < jhi[y]:
-                mx[y] = _fmax(mx[y], row[y])
-
-
-@njit(inline="always", fastmath=_FM, cache=True)
-def _partial_exp(pt, a, b, jlo, jhi, sh, tot):
-    """Rows a..b-1 of ``pt`` become exp(pt - sh) where query y sees the row, else 0; their
-    sums are added to ``tot``."""
-    for j in range(a, b):
-        row = pt[j]
-        for y in range(NR):
-            e = _exp(row[y] - sh[y]) if jlo[y] <= j and j < jhi[y] else _ZERO
-            row[y] = e
-            tot[y] += e
+            x = row[y] if (jlo[y] <= j) & (j < jhi[y]) else _NEG
+            row[y] = x
+            mx[y] = _fmax(mx[y], x)
 
 
 @njit(inline="always", fastmath=_FM, cache=True)
@@ -146,18 +137,17 @@ def _softmax(pt, a, b, wa, wb, jlo, jhi, m, l, alpha, mx, sh, tot):
     """One query panel's running softmax over rows a..b-1 of ``pt`` (keys down, ``NR``
     queries across): ``pt`` becomes P^T there, and m, l, alpha become what
     ``cpu_kernels.softmax_update`` makes of them. Every query sees rows wa..wb-1 (``mx``
-    already holds their maxima: ``micro_set`` folded them in), vectorised without a test;
-    outside them query y sees rows jlo[y]..jhi[y]-1 only, tested per element."""
-    _partial_max(pt, a, min(wa, b), jlo, jhi, mx)
-    _partial_max(pt, max(wb, wa, a), b, jlo, jhi, mx)
+    already holds their maxima: ``micro_set`` folded them in); outside them query y sees
+    rows jlo[y]..jhi[y]-1 only (``_hide`` masks the rest). One exponential sweep then runs
+    over all of a..b-1."""
+    _hide(pt, a, min(wa, b), jlo, jhi, mx)
+    _hide(pt, max(wb, wa, a), b, jlo, jhi, mx)
     for y in range(NR):
         mx[y] = max(m[y], mx[y])  # m_new
         sh[y] = _ZERO if mx[y] == -np.inf else mx[y]  # a row that has seen no key shifts by 0
         tot[y] = _ZERO
-    if wb > wa:
-        _exp_sweep(_addr(pt, wa * NR), wb - wa, sh.ctypes.data, tot.ctypes.data)
-    _partial_exp(pt, a, min(wa, b), jlo, jhi, sh, tot)
-    _partial_exp(pt, max(wb, wa, a), b, jlo, jhi, sh, tot)
+    if b > a:
+        _exp_sweep(_addr(pt, a * NR), b - a, sh.ctypes.data, tot.ctypes.data)
     for y in range(NR):
         al = fexp(m[y] - sh[y])
         l[y] = l[y] * al + tot[y]
@@ -221,17 +211,9 @@ def _fwd_row(q, kp, vp, c0, c1, iv, lo, hi, g, scale, acc, m, l):
                 _micro_set(_addr(kp, (first + kb) * d * MR), _addr(qp, i * d * NR), d, _addr(pt, kb * MR * NR), NR,
                            mx.ctypes.data, wa - kb * MR, wb - kb * MR)
             _softmax(pt, a, b, wa, wb, jlo, jhi, ms[i], ls[i], alpha, mx, sh, tot)
-            rescale = False
-            for y in range(NR):
-                rescale |= alpha[y] != _ONE
-            if rescale:  # the panel's max moved: O^T *= alpha, column by column
-                for c in range(dv):
-                    orow = ot[i, c]
-                    for y in range(NR):
-                        orow[y] *= alpha[y]
-            for vb in range(dvp // MR):  # O^T += V^T P^T
+            for vb in range(dvp // MR):  # O^T = alpha O^T + V^T P^T (alpha: the max moved)
                 _micro_add(_addr(vp, (vb * ck + col - off + a) * MR), _addr(pt, a * NR), b - a,
-                           _addr(ot, (i * dvp + vb * MR) * NR), NR)
+                           _addr(ot, (i * dvp + vb * MR) * NR), NR, alpha.ctypes.data)
     for i in range(panels):
         for y in range(NR):
             r = i * NR + y
@@ -293,4 +275,4 @@ def describe():
     """A phrase for the bench's preamble: the micro-kernel's shape and what its first use cost."""
     seconds = warm()
     return (f"burstmpi's packed micro-kernel ({MR} x {NR} floats, {NR // 2}-float vectors; cpu_packed) where a "
-            f"block's keys meet 64 query rows or more (BURSTMPI_CPU_GEMM), ready in {seconds:.2f} s")
+            f"block's keys meet 512 query rows or more (BURSTMPI_CPU_GEMM), ready in {seconds:.2f} s")
