@@ -14,10 +14,10 @@ BURSTMPI_TILE_K         512         rows of K/V per local tile (NumPy backend)
 BURSTMPI_CPU_KERNELS    auto        the CPU backend's elementwise work: ``numba``
                                     (compiled, fused), ``numpy`` (the pure-NumPy
                                     fallback), ``auto`` = numba when it imports
-BURSTMPI_CPU_GEMM       auto        the compiled loops' float32 GEMMs: ``auto`` = our
+BURSTMPI_CPU_GEMM       auto        the float32 forward's GEMMs: ``auto`` = our
                                     micro-kernel on operands packed once
                                     (``backends.cpu_packed``) where the CPU has AVX2
-                                    with FMA or AVX-512 and a block's keys meet 64
+                                    with FMA or AVX-512 and a block's keys meet 512
                                     query rows or more, else BLAS; ``blas`` = BLAS's
                                     sgemm on every tile; ``packed`` = the micro-kernel
                                     on every block (an error without those CPU flags)
