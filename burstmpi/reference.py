@@ -178,7 +178,8 @@ def key_rows(q, k_rows, v_rows, dout, lse, delta, positions, *, causal=False, wi
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
     kh = _expand(np.asarray(k_rows, dtype=np.float64), Z)
     vh = _expand(np.asarray(v_rows, dtype=np.float64), Z)
-    dk, dv = 0.0, 0.0
+    R = k_rows.shape[1]
+    dk, dv = np.zeros((B, Z, R, d)), np.zeros((B, Z, R, vh.shape[-1]))  # shaped when R or N is 0
     for a, b in _chunks(N):
         qh = np.asarray(q[:, a:b], dtype=np.float64).transpose(0, 2, 1, 3)
         doh = np.asarray(dout[:, a:b], dtype=np.float64).transpose(0, 2, 1, 3)
@@ -189,10 +190,9 @@ def key_rows(q, k_rows, v_rows, dout, lse, delta, positions, *, causal=False, wi
         dv = dv + p.swapaxes(-1, -2) @ doh
         ds = p * (doh @ vh.swapaxes(-1, -2) - np.asarray(delta[:, :, a:b], dtype=np.float64)[..., None])
         dk = dk + ds.swapaxes(-1, -2) @ qh
-    R = k_rows.shape[1]
 
     def fold(x):
-        return x.reshape(B, Zkv, Z // Zkv, R, -1).sum(axis=2).transpose(0, 2, 1, 3)
+        return x.reshape(B, Zkv, Z // Zkv, R, x.shape[-1]).sum(axis=2).transpose(0, 2, 1, 3)
 
     return fold(dk * scale), fold(dv)
 

@@ -22,6 +22,17 @@ def test_sampled_rows_match_dense(causal, window, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-13)
 
 
+def test_key_rows_of_no_rows_and_no_queries():
+    """No key rows (a rank that holds none) and no queries give empty gradients of the right
+    shape, not a reshape error."""
+    q, k, v, do = ref.random_problem(1, 12, 4, 2, 8, dv=6, dtype=np.float64, seed=5)
+    lse, delta = np.zeros((1, 4, 12)), np.zeros((1, 4, 12))
+    dk, dv = ref.key_rows(q, k[:, :0], v[:, :0], do, lse, delta, np.zeros(0, np.int64), causal=True)
+    assert dk.shape == (1, 0, 2, 8) and dv.shape == (1, 0, 2, 6)
+    dk, dv = ref.key_rows(q[:, :0], k[:, :3], v[:, :3], do[:, :0], lse[:, :, :0], delta[:, :, :0], np.arange(3))
+    assert dk.shape == (1, 3, 2, 8) and dv.shape == (1, 3, 2, 6) and not dk.any() and not dv.any()
+
+
 def test_plain_precision_rounds_like_the_dtype():
     q, k, v, _ = ref.random_problem(1, 32, 2, 2, 16, dtype=np.float16, seed=1)
     exact, _ = ref.forward(q, k, v)
