@@ -43,6 +43,10 @@ BURSTMPI_RANKS_PER_NODE 0           ``g``: consecutive blocks of g ranks form a 
 BURSTMPI_INTERNODE_GBPS 0           a simulation aid: host transfers between nodes
                                     take at least bytes / (X GB/s) (MPI transport;
                                     ``burstmpi.transport.slowlinks``); ``0`` = off
+BURSTMPI_LINK_GBPS      (measured)  ``INTRA,INTER``: the links' GB/s (one way, per
+                                    rank) inside a node and between nodes, for
+                                    ``topology="auto"``'s choice; unset = measured
+                                    once per plan (``burstmpi.transport.links``)
 ======================  ==========  ===================================================
 """
 
@@ -71,6 +75,21 @@ def _int(name, default, minimum=1):
     return _number(name, default, int, minimum)
 
 
+def _pair(name):
+    """``BURSTMPI_*`` variable ``name`` as two positive finite numbers ``A,B``, or None when
+    unset or empty."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return None
+    try:
+        pair = tuple(float(x) for x in raw.split(","))
+    except ValueError:
+        pair = ()
+    if len(pair) != 2 or not all(0 < x < float("inf") for x in pair):
+        raise ValueError(f"environment variable {name}: expected two positive numbers A,B, got {raw!r}")
+    return pair
+
+
 def _choice(name, default, choices):
     raw = os.environ.get(name, "") or default
     if raw not in choices:
@@ -94,6 +113,7 @@ class Settings:
         self.nccl_timeout = float(_int("BURSTMPI_NCCL_TIMEOUT", 300))
         self.ranks_per_node = _int("BURSTMPI_RANKS_PER_NODE", 0, minimum=0)
         self.internode_gbps = _number("BURSTMPI_INTERNODE_GBPS", 0.0, float, 0)
+        self.link_gbps = _pair("BURSTMPI_LINK_GBPS")
 
 
 def settings():

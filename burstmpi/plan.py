@@ -12,15 +12,23 @@ from .gpu.device import abort_on_device_error
 from .heads import HeadParallel, check_head_parallel
 from .interop import like
 from .masks.intervals import Bounds
+from .model.flat import Machine, Shape
+from .model.topology import choose_topology
 from .ring import flat as ring, twolevel, twolevel_backward, twoway
 from .ring.geometry import geometry
 from .ring.schedule import Schedule
 from .ring.stats import PhaseStats
 from .runtime import Runtime
 from .transport.comm import rows_bytes
+from .transport.links import link_speeds
 from .validate import check_backward, check_cu_seqlens, check_forward, check_options, fingerprint, global_layout
 
 __all__ = ["BurstAttention", "PhaseStats", "Stats"]
+
+# topology="auto": the kernel rate (TFLOP/s a rank, forward and backward) the model assumes
+# for host arrays, about this project's CPU backend on one core; the choice hardly depends
+# on it (``BurstAttention._auto_topology``).
+_NOMINAL_TFLOPS = 0.05
 
 
 @dataclass
@@ -100,9 +108,13 @@ class BurstAttention:
         between nodes, linking the ranks of equal local rank, its transfer hidden behind
         a whole inner cycle (``burstmpi.ring.twolevel``; nodes of equal size, host arrays,
         every ``bwd_comm``; "auto" takes "burst" or "ring", whichever moves fewer bytes).
-        "auto": two-level where the ranks span several equal nodes of 2+ ranks and the
-        arrays are on the host, else flat. ``last_stats.topology`` says which ran. Nodes:
-        ``burstmpi.transport.nodes`` (``BURSTMPI_RANKS_PER_NODE``).
+        "auto": where the ranks span several equal nodes of 2+ ranks and the arrays are on
+        the host, the performance model's choice for the call's shape at the links'
+        speeds (``BURSTMPI_LINK_GBPS``, else measured once per plan: a few MB each way
+        between neighbours; ``burstmpi.transport.links``): two-level where it predicts
+        it 5 % faster, which takes inter-node links slower than the node's; else flat.
+        ``last_stats.topology`` says which ran. Nodes: ``burstmpi.transport.nodes``
+        (``BURSTMPI_RANKS_PER_NODE``).
     head_parallel : int, default 1
         u > 1: groups of u consecutive ranks of one node share the heads (an all-to-all
         inside each group), and the ring runs over the P/u groups (``burstmpi.heads``).
@@ -142,6 +154,7 @@ class BurstAttention:
         self.head_parallel = int(head_parallel)
         self.kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``; burstmpi.heads)
         self._heads = HeadParallel(self, self.head_parallel) if self.head_parallel > 1 else None
+        self._links, self._auto = None, {}  # topology="auto": link speeds, choices per shape
         self.last_stats = Stats()
 
     comm = _delegate("comm", "burstmpi's private duplicate of the plan's communicator.")
@@ -270,7 +283,7 @@ class BurstAttention:
             self.last_stats.forward, self.last_stats.buffer_bytes = st, self._heads.buffer_bytes
             self.last_stats.topology = self._heads.topology
             return like(out, q), like(lse, q)
-        topology = self.last_stats.topology = self._ring_topology(self.backend.name)
+        topology = self.last_stats.topology = self._ring_topology(self.backend.name, dims, h["q"].dtype)
         if topology == "two-level":
             run = twolevel.forward
         else:
@@ -282,14 +295,39 @@ class BurstAttention:
         self.last_stats.transport = self._transport_name(topology)
         return like(out, q), like(lse, q)
 
-    def _ring_topology(self, kind):
-        """The ring this call runs: "two-level" or "flat" (``topology``'s "auto" decided by
-        the nodes, the same on every rank)."""
+    def _ring_topology(self, kind, dims=None, dtype=None):
+        """The ring this call runs: "two-level" or "flat". ``topology``'s "auto" is flat unless
+        the ranks span several equal nodes of 2+ ranks with host arrays; there the model
+        chooses (``_auto_topology``) once the call's ``dims`` are agreed (without them, as
+        in the argument checks, "auto" answers flat)."""
         if self.topology != "auto":
             return self.topology
         nodes = self.runtime.nodes
         spread = nodes.count > 1 and nodes.equal and len(nodes.members[0]) > 1
-        return "two-level" if spread and kind != "cuda" else "flat"
+        if not spread or kind == "cuda" or dims is None:
+            return "flat"
+        return self._auto_topology(dims, dtype)
+
+    def _auto_topology(self, dims, dtype):
+        """The model's choice between the flat and the two-level ring for this call's shape
+        (``model.topology.choose_topology``), at the links' configured or measured speeds
+        (``transport.links``: measured once per plan, collectively) and a nominal kernel
+        rate: both rings compute the same pairs, so the rate decides only where both hide
+        their transfers, and there they tie and the flat ring is kept. Cached per shape;
+        the same on every rank (the inputs are agreed, the measurement reduced)."""
+        key = (tuple(dims), str(dtype), self.layout.seqlen)
+        if key not in self._auto:
+            nodes = self.runtime.nodes
+            if self._links is None:
+                self._links = link_speeds(self.comm, nodes)
+            B, _, Z, Zkv, d, dv = dims
+            shape = Shape(B, self.layout.seqlen, Z, Zkv, d, dv, np.dtype(dtype).itemsize, self.causal, self.window_arg)
+            g = len(nodes.members[0])
+            machine = Machine("auto", fwd_tflops=_NOMINAL_TFLOPS, bwd_tflops=_NOMINAL_TFLOPS,
+                              intra_gbps=self._links[0], inter_gbps=self._links[1], ranks_per_node=g)
+            mode = None if self.bwd_comm == "auto" else self.bwd_comm
+            self._auto[key] = choose_topology(shape, machine, self.nranks, self.layout_name, g, mode)
+        return self._auto[key][0]
 
     def _transport_name(self, topology):
         """``last_stats.transport`` after a call: the call may have fallen back to MPI, and
@@ -353,7 +391,7 @@ class BurstAttention:
             self.last_stats.buffer_bytes = self._heads.buffer_bytes
             self.last_stats.topology = self._heads.topology
             return like(dq, q), like(dk, k), like(dv, v)
-        topology = self.last_stats.topology = self._ring_topology(self.backend.name)
+        topology = self.last_stats.topology = self._ring_topology(self.backend.name, dims, h["q"].dtype)
         mode = (twolevel.choose_mode(self.bwd_comm, dims, h["q"].dtype) if topology == "two-level"
                 else self.choose_bwd_mode(dims, h["q"].dtype))
         args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)

@@ -26,6 +26,7 @@ from .. import __version__
 from ..backends.threads import cores, node_masks, shares_cores
 from ..config import settings
 from ..interop import bfloat16
+from ..sizes import parse_bytes, parse_size
 from ..transport.mpi import complete
 from ..transport.nodes import nodes
 from . import regress
@@ -47,40 +48,6 @@ TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-4, 1e-4),
 
 REDUCE = {0: ("rank 0", lambda v: v[0]), 1: ("average", np.mean), 2: ("minimum", np.min),
           3: ("maximum", np.max)}
-
-
-def _suffixed(value, number=int):
-    """'4K' -> 4096, '1M' -> 1048576, '1000' -> 1000 (binary K/M/G/T); ``number`` reads the
-    digits (``float`` also takes '1.5G'). Raises ValueError."""
-    text = str(value).strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
-    return int(number(text[:-1] if mult > 1 else text) * mult)
-
-
-def parse_size(ctx, param, value):
-    """A length: '4K' -> 4096, '1M' -> 1048576, '1000' -> 1000."""
-    if isinstance(value, int):
-        return value
-    try:
-        n = _suffixed(value)
-    except ValueError:
-        raise click.BadParameter(f"expected a length like 4096, 4K or 1M, got {value!r}")
-    if n < 1:
-        raise click.BadParameter(f"expected a positive length, got {value!r}")
-    return n
-
-
-def parse_bytes(ctx, param, value):
-    """Bytes: '16G' -> 17179869184 (K/M/G/T suffixes, '1.5G' too), or None."""
-    if value is None:
-        return None
-    try:
-        n = _suffixed(value, float)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise click.BadParameter(f"expected a positive number of bytes like 16G, 512M or 1000000, got {value!r}")
-    return n
 
 
 def comma_list(value, item, what):

@@ -25,17 +25,12 @@ import click
 import numpy as np
 
 from ..masks import BlockSparse, Chunked, Sinks, Window
+from ..sizes import suffixed
 
 __all__ = ["DENSE", "PATTERNS", "check_spec", "build"]
 
 DENSE = ("none", "causal", "both")
 PATTERNS = {"streaming": (2, 2), "chunked": (1, 1), "blocks": (1, 2), "bigbird": (3, 4), "strided": (2, 3)}
-
-
-def _size(text):
-    text = text.strip().upper()
-    scale = {"K": 1024, "M": 1024 * 1024}.get(text[-1:], 1)
-    return int(text[:-1] if scale > 1 else text) * scale
 
 
 def _parse(spec):
@@ -48,7 +43,7 @@ def _parse(spec):
     if not least <= len(args) <= most:
         raise ValueError(f"{name}: expected {least}{'' if least == most else f' to {most}'} arguments, got {spec!r}")
     try:
-        values = [float(a) if name == "blocks" and i == 0 else _size(a) for i, a in enumerate(args)]
+        values = [float(a) if name == "blocks" and i == 0 else suffixed(a) for i, a in enumerate(args)]
     except ValueError:
         raise ValueError(f"{name}: expected numbers (sizes may end in K or M), got {spec!r}") from None
     if name == "blocks" and not 0 <= values[0] <= 1:

@@ -17,7 +17,7 @@ from dataclasses import asdict
 import click
 import numpy as np
 
-from ..bench.common import parse_size
+from ..sizes import parse_size
 from .flat import MACHINES, Machine, Shape, predict, recommend
 from .topology import RINGS, predict_ring, scale_row
 

@@ -31,7 +31,7 @@ from ..ring.twolevel import block_owner, choose_mode
 from ..transport.nodes import Nodes
 from .flat import _phase, dtypes, work
 
-__all__ = ["predict_ring", "scale_row", "RINGS"]
+__all__ = ["predict_ring", "choose_topology", "scale_row", "RINGS"]
 
 RINGS = ("flat", "two-level", "head-parallel")  # what ``scale_row`` compares
 
@@ -118,6 +118,17 @@ def predict_ring(shape, machine, P, layout, topology="flat", head_parallel=1, ra
                 ranks_per_node=g, seqlen=shape.seqlen, bwd_mode=mode, fwd_ms=1e3 * fwd, bwd_ms=1e3 * bwd,
                 fwdbwd_ms=1e3 * (fwd + bwd), exposed_ms=1e3 * float(((f[0] - f[1]) + (b[0] - b[1])).max()),
                 inter_mb=inter / 1e6)
+
+
+def choose_topology(shape, machine, P, layout, ranks_per_node, bwd_mode=None, margin=0.05):
+    """``topology="auto"``'s choice: "two-level" where the model predicts its forward +
+    backward at least ``margin`` faster than the flat ring's, else "flat" (the simpler ring
+    wins a tie); with both predictions. Both rings compute the same pairs, so the choice
+    turns on the links: the two-level ring keeps all but one transfer a cycle inside the
+    nodes and hides that one behind the cycle."""
+    flat, two = (predict_ring(shape, machine, P, layout, t, ranks_per_node=ranks_per_node, bwd_mode=bwd_mode)
+                 for t in ("flat", "two-level"))
+    return ("two-level" if two["fwdbwd_ms"] < (1 - margin) * flat["fwdbwd_ms"] else "flat"), flat, two
 
 
 def _flat_inter(f, b, nodes):

@@ -14,6 +14,7 @@ from burstmpi import reference as ref
 from burstmpi.ring import twolevel
 from burstmpi.masks import BlockSparse, Causal, Chunked, PerHead, Sinks, Window
 from burstmpi.transport.nodes import Nodes
+from burstmpi.config import settings
 from burstmpi.ring.twolevel import block_owner
 from conftest import COMM, NRANKS, RANK, check_against_float64, needs_ranks, random_docs
 from ordered_transport import InOrderTransport, MisPaired
@@ -194,13 +195,37 @@ def test_network_carries_only_the_rows_later_nodes_read(per_node):
 
 
 @needs_ranks(2)
-def test_auto_picks_two_level_only_across_equal_nodes(per_node):
-    q, k, v, _ = ref.random_problem(1, 4 * NRANKS, 2, 2, 8, seed=2)
-    for g, want in [(NRANKS, "flat"), (1, "flat")] + [(g, "two-level") for g in SPREAD[:1]]:
+def test_auto_asks_the_model_only_across_equal_nodes(per_node, monkeypatch):
+    """One node, or nodes of one rank: flat, whatever the links. Across equal nodes of 2+
+    ranks the model chooses at the links' speeds: two-level where the network is slower
+    than the node's links (configured, or capped by the simulation aid), flat where they
+    are equal (both rings then hide their transfers alike and the flat ring is kept); the
+    forward and the backward of one shape take the same ring, and every rank the same."""
+    q, k, v, do = (burstmpi.shard(x) for x in ref.random_problem(1, 64 * NRANKS, 4, 2, 16, seed=2))
+    cases = [(NRANKS, "1,1", "flat"), (1, "1,0.01", "flat")]
+    cases += [(g, links, want) for g in SPREAD[:1] for links, want in (("8,0.05", "two-level"), ("8,8", "flat"))]
+    for g, links, want in cases:
         per_node(g)
-        plan = burstmpi.BurstAttention(topology="auto")
-        plan.forward(burstmpi.shard(q), burstmpi.shard(k), burstmpi.shard(v))
-        assert plan.last_stats.topology == want, g
+        monkeypatch.setenv("BURSTMPI_LINK_GBPS", links)
+        plan = burstmpi.BurstAttention(topology="auto", causal=True)
+        out, lse = plan.forward(q, k, v)
+        assert plan.last_stats.topology == want, (g, links)
+        plan.backward(do, q, k, v, out, lse)
+        assert plan.last_stats.topology == want, (g, links)
+    if SPREAD:  # measured links (this machine: alike), the network capped by the simulation aid
+        per_node(SPREAD[0])
+        monkeypatch.delenv("BURSTMPI_LINK_GBPS")
+        monkeypatch.setenv("BURSTMPI_INTERNODE_GBPS", "0.05")
+        plan = burstmpi.BurstAttention(topology="auto", causal=True)
+        plan.forward(q, k, v)
+        assert plan.last_stats.topology == "two-level"
+        assert COMM.allgather(plan._links) == [plan._links] * NRANKS and plan._links[1] == 0.05
+
+
+def test_bad_link_speeds_name_the_variable(monkeypatch):
+    monkeypatch.setenv("BURSTMPI_LINK_GBPS", "8")
+    with pytest.raises(ValueError, match=r"BURSTMPI_LINK_GBPS: expected two positive numbers A,B, got '8'"):
+        settings()
 
 
 def test_bad_topology_is_refused():

@@ -1,0 +1,48 @@
+"""How fast this job's links are, for ``topology="auto"``: inside a node and between nodes.
+
+``BURSTMPI_LINK_GBPS=INTRA,INTER`` gives them (GB/s one way, per rank). Otherwise they are
+measured once per plan, collectively: every rank sends ``nbytes`` to the next rank of its
+node while it receives from the previous one (the inner ring's pattern, all links busy at
+once), then the same with the rank of its local index on the next node (the outer
+ring's), ``reps`` times each; a speed is ``nbytes`` over the slowest rank's best time. The
+figures are MPI's on host buffers, as the two-level ring moves host arrays.
+``BURSTMPI_INTERNODE_GBPS`` (the simulation aid of ``slowlinks``) caps the inter-node
+figure, as it caps those transfers.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from ..config import settings
+
+__all__ = ["link_speeds"]
+
+
+def _ring_seconds(comm, dest, source, send, recv, reps):
+    """The slowest rank's best time to send ``send`` to ``dest`` while receiving from
+    ``source``."""
+    best = float("inf")
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = MPI.Wtime()
+        comm.Sendrecv(send, dest, 17, recv, source, 17)
+        best = min(best, MPI.Wtime() - t0)
+    return comm.allreduce(best, op=MPI.MAX)
+
+
+def link_speeds(comm, nodes, nbytes=4 << 20, reps=3):
+    """(intra, inter) GB/s of ``comm``'s ranks on ``nodes`` (equal nodes of 2+ ranks, two or
+    more of them): configured, or measured (collective)."""
+    cfg = settings()
+    if cfg.link_gbps:
+        intra, inter = cfg.link_gbps
+    else:
+        send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        node, i = nodes.node, nodes.local_rank
+        mine, N = nodes.members[node], nodes.count
+        inner = (mine[(i + 1) % len(mine)], mine[(i - 1) % len(mine)])
+        outer = (nodes.members[(node + 1) % N][i], nodes.members[(node - 1) % N][i])
+        intra, inter = (nbytes / _ring_seconds(comm, *peers, send, recv, reps) / 1e9 for peers in (inner, outer))
+    if cfg.internode_gbps:
+        inter = min(inter, cfg.internode_gbps)
+    return float(intra), float(inter)
