@@ -222,6 +222,25 @@ def test_auto_asks_the_model_only_across_equal_nodes(per_node, monkeypatch):
         assert COMM.allgather(plan._links) == [plan._links] * NRANKS and plan._links[1] == 0.05
 
 
+@pytest.mark.skipif(NRANKS < 8 or NRANKS % 4, reason="needs 8+ ranks in 2 nodes of 4 or more (run under mpiexec)")
+def test_auto_over_head_parallel_groups(per_node, monkeypatch):
+    """With head_parallel=2 the ring over the groups asks the model with the nodes the
+    groups span (2 nodes of NRANKS / 4 groups here): two-level where the network is slow,
+    flat where the links are alike; the results stay exact."""
+    per_node(NRANKS // 2)
+    q, k, v, do = (burstmpi.shard(x, layout="zigzag")
+                   for x in ref.random_problem(1, 64 * NRANKS, 4, 2, 16, dtype=np.float64, seed=4))
+    ours = {}
+    for links, want in (("8,0.05", "two-level"), ("8,8", "flat")):
+        monkeypatch.setenv("BURSTMPI_LINK_GBPS", links)
+        plan = burstmpi.BurstAttention(topology="auto", causal=True, layout="zigzag", head_parallel=2)
+        out, lse = plan.forward(q, k, v)
+        assert plan.last_stats.topology == want, links
+        ours[want] = (out, *plan.backward(do, q, k, v, out, lse))
+    for a, b in zip(ours["two-level"], ours["flat"]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_bad_link_speeds_name_the_variable(monkeypatch):
     monkeypatch.setenv("BURSTMPI_LINK_GBPS", "8")
     with pytest.raises(ValueError, match=r"BURSTMPI_LINK_GBPS: expected two positive numbers A,B, got '8'"):
