@@ -302,9 +302,7 @@ class BurstAttention:
         in the argument checks, "auto" answers flat)."""
         if self.topology != "auto":
             return self.topology
-        nodes = self.runtime.nodes
-        spread = nodes.count > 1 and nodes.equal and len(nodes.members[0]) > 1
-        if not spread or kind == "cuda" or dims is None:
+        if not self.runtime.nodes.spread or kind == "cuda" or dims is None:
             return "flat"
         return self._auto_topology(dims, dtype)
 

@@ -100,8 +100,7 @@ def predict_ring(shape, machine, P, layout, topology="flat", head_parallel=1, ra
     a2a_f = _alltoall_seconds(shape, machine, u, -(-shape.seqlen // P), ("q", "k", "v", "out", "lse"))
     a2a_b = _alltoall_seconds(shape, machine, u, -(-shape.seqlen // P),
                               ("do", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
-    spread = ring_nodes.count > 1 and ring_nodes.equal and len(ring_nodes.members[0]) > 1
-    if topology == "two-level" and spread:
+    if topology == "two-level" and ring_nodes.spread:
         dims = (inner.batch, lay.max_count, inner.heads, inner.kv_heads, inner.head_dim, inner.head_dim_v)
         mode = choose_mode(bwd_mode or "auto", dims, dtypes(inner)[0])
         f = _two_level_phase(inner, machine, ring_nodes, lay, "forward", pairs)
@@ -114,7 +113,7 @@ def predict_ring(shape, machine, P, layout, topology="flat", head_parallel=1, ra
         b = _phase(inner, machine, Pr, lay, mode, pairs, needs, ring_nodes.node_of)
         inter = _flat_inter(f, b, ring_nodes)
     fwd, bwd = f[0] + a2a_f, b[0] + a2a_b
-    return dict(topology=topology if topology != "two-level" or spread else "flat", head_parallel=u, ranks=P,
+    return dict(topology=topology if topology != "two-level" or ring_nodes.spread else "flat", head_parallel=u, ranks=P,
                 ranks_per_node=g, seqlen=shape.seqlen, bwd_mode=mode, fwd_ms=1e3 * fwd, bwd_ms=1e3 * bwd,
                 fwdbwd_ms=1e3 * (fwd + bwd), exposed_ms=1e3 * float(((f[0] - f[1]) + (b[0] - b[1])).max()),
                 inter_mb=inter / 1e6)

@@ -53,6 +53,11 @@ class Nodes:
         """Do all nodes hold as many ranks?"""
         return len({len(m) for m in self.members}) <= 1
 
+    @property
+    def spread(self):
+        """Several nodes of equal size, each of 2+ ranks: where a two-level ring has two levels."""
+        return self.count > 1 and self.equal and len(self.members[0]) > 1
+
     def remote(self, a, b):
         """Are ranks ``a`` and ``b`` on different nodes?"""
         return self.node_of[a] != self.node_of[b]
