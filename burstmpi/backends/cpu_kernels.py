@@ -28,6 +28,8 @@ has them (``wide_vectors``). Every kernel runs on the calling thread and release
 tiles on several threads (``burstmpi.backends.threads``), so there is no ``prange`` here.
 Compiled code is cached on disk (numba's ``cache=True``, next to this file or under
 ``NUMBA_CACHE_DIR``); ``warm()`` compiles (or loads) everything and says how long it took.
+The loops that compile these kernels in flush their cache when this file changes
+(``jit_cache``): numba alone would keep their old copies.
 """
 
 import time

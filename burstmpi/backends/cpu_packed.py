@@ -37,11 +37,13 @@ lse). Results are bitwise reproducible; they differ from ``cpu_tiles``' in round
 (another summation order).
 """
 
+import sys
 import time
 
 import numpy as np
 from numba import njit, types
 
+from . import cpu_kernels, cpu_micro, jit_cache
 from .cpu_kernels import _FM, _fmax, fexp, wide_vectors
 from .cpu_micro import LANES, MR, NR, available, exp_sweep as _exp_sweep, micro_add as _micro_add, micro_set as _micro_set
 
@@ -255,6 +257,9 @@ _SIGNATURES = {
     pack_v: (_IN2, _PACKED),
     _fwd_row: (_IN2, _PACKED_IN, _PACKED_IN) + _TILES + (types.float32, _OUT2, _OUT1, _OUT1),
 }
+# The micro-kernel's IR (cpu_micro) and cpu_kernels' exp are compiled in: cached code
+# older than any of the three files is flushed (``jit_cache``).
+jit_cache.guard(sys.modules[__name__], (cpu_kernels, cpu_micro))
 _warm = None
 
 

@@ -37,13 +37,14 @@ Measured on one AVX2 core (8K tokens, head dim 128): the forward's rows at 70 GF
 against 63 for the same kernels driven tile by tile from Python.
 """
 
+import sys
 import time
 
 import numba
 import numpy as np
 from numba import njit, types
 
-from . import cpu_blas, cpu_kernels
+from . import cpu_blas, cpu_kernels, jit_cache
 from .cpu_kernels import _FM, dsoftmax, probs, softmax_update, wide_vectors, widen  # noqa: F401 (widen: the ops interface)
 
 if cpu_blas.sgemm is None:  # the backend falls back to tile_ops (BURSTMPI_CPU_KERNELS=auto)
@@ -251,6 +252,9 @@ _SIGNATURES = {
 }
 
 
+# The loops compile in cpu_kernels' sweeps and cpu_blas's binding: cached code older than
+# any of the three files is flushed (``jit_cache``).
+jit_cache.guard(sys.modules[__name__], (cpu_kernels, cpu_blas))
 _warm = None  # (seconds, loaded from the disk cache) of the first warm()
 
 
