@@ -212,7 +212,7 @@ def _local_kernel_s(plan, q, k, v, do, dev, start):
     rank's own q against its own k, v: the single-device work one ring step does.
     ``start()`` (a barrier) precedes each, so the ranks run it side by side as they run
     the ring."""
-    from ..ring.flat import _rows
+    from ..ring.flat import grouped_rows
 
     be = plan.backend
     B, C, Z, d = q.shape
@@ -221,7 +221,7 @@ def _local_kernel_s(plan, q, k, v, do, dev, start):
     acc = be.acc_dtype(q.dtype)
     dense = Mask(Bounds(), C)
     qb, kb = dense.query_block(np.arange(C)), dense.key_block(np.arange(C))
-    qr, dor = _rows(q, Zkv), _rows(do, Zkv)
+    qr, dor = grouped_rows(q, Zkv), grouped_rows(do, Zkv)
     kr, vr = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     state = be.fwd_state(B, Zkv, C, g, dv, acc)
     dev.sync()

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from ..ring.flat import nbytes
-from ..transport.comm import _packet
+from ..transport.comm import packed_fields
 from ..validate import checksum
 from .slots import host
 
@@ -48,9 +48,9 @@ class Exchange:
             offset[0] += nb
             return view
 
-        send = _packet(fields, carve)
+        send = packed_fields(fields, carve)
         recv_raw = raw[size:]
-        parts = [_packet(fields, carve)[1] for _ in range(P)]
+        parts = [packed_fields(fields, carve)[1] for _ in range(P)]
         msg = (send, recv_raw, parts)
         self._message = (key, msg)
         return msg
@@ -89,7 +89,7 @@ class Exchange:
         rt.transport.allgather(send_raw, recv_raw)
         rt.finish()  # NCCL: wait with a timeout and the async error check, never hang
         self._calls += 1
-        # The header leads every message (comm._packet puts the widest fields first, and
+        # The header leads every message (comm.packed_fields puts the widest fields first, and
         # it is listed first): one copy of the gathered bytes to the host reads them all.
         got = host(recv_raw).reshape(rt.nranks, -1)[:, :32].copy().view(np.int64)
         if (got[:, 0] == OK).all() and (got[:, 1] == got[0, 1]).all() and status == OK:

@@ -48,7 +48,7 @@ from ..transport.comm import Channel, PartialChannel, field_bytes
 
 __all__ = ["forward", "backward", "packet_fields", "packet_dims", "nbytes", "bytes_per_step",
            "Timer", "key_operands", "finish_forward", "backward_operands",
-           "finish_gradients", "fwd_pieces", "bwd_pieces", "head_slices"]
+           "finish_gradients", "fwd_pieces", "bwd_pieces", "head_slices", "grouped_rows"]
 
 TAG_FWD, TAG_BWD, TAG_PARTIAL = 11, 21, 22
 
@@ -135,7 +135,7 @@ def _steps(plan, chan, sched, timer, partials=None, rows=(None, None)):
             partials(P)
 
 
-def _rows(x, Zkv):
+def grouped_rows(x, Zkv):
     """(B, C, Z, d) -> (B, Zkv, C, g, d) view: query heads grouped under their KV head."""
     B, C, Z, d = x.shape
     return x.reshape(B, C, Zkv, Z // Zkv, d).transpose(0, 2, 1, 3, 4)
@@ -287,7 +287,7 @@ def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
     lse_rows = lse.astype(acc).reshape(B, Zkv, g, C).transpose(0, 1, 3, 2)
     # Rows that saw no key have lse = -inf; +inf makes exp(s - lse) exactly 0 there.
     lse_rows = xp.where(lse_rows == -np.inf, np.inf, lse_rows)
-    home_q = {"q": _rows(q, Zkv), "do": _rows(dout, Zkv), "D": D, "lse": lse_rows}
+    home_q = {"q": grouped_rows(q, Zkv), "do": grouped_rows(dout, Zkv), "D": D, "lse": lse_rows}
     home_k = key_operands(k, v)
     return home_q, home_k, be.bwd_state(B, Zkv, C, g, d, dv, acc)
 
@@ -322,7 +322,7 @@ def forward(plan, q, k, v, dims):
         load_packet(chan, home_k, mine, be.xp)
         if _in_order(mine, C):  # all of them, in order: our own step reads that copy too
             home_k = chan.current
-    q_rows = _rows(q, Zkv)
+    q_rows = grouped_rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.block("q", plan.rank)
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]

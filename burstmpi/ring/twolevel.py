@@ -53,8 +53,8 @@ from ..transport.comm import Channel, split_once
 from ..transport.mpi import MPITransport
 from ..transport.nodes import Nodes
 from ..transport.slowlinks import SlowLinksTransport
-from .flat import (Timer, _rows, cut_runs, finish_forward, fwd_pieces, key_operands, load_packet, nbytes, packet_dims,
-                   packet_fields)
+from .flat import (Timer, cut_runs, finish_forward, fwd_pieces, grouped_rows, key_operands, load_packet, nbytes,
+                   packet_dims, packet_fields)
 from .stats import PhaseStats
 
 __all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward"]
@@ -280,7 +280,7 @@ def forward(plan, q, k, v, dims):
     timer, t_start = Timer(), time.perf_counter()
     home = key_operands(k, v)
     load(ring, home, me, be.xp)
-    q_rows = _rows(q, Zkv)
+    q_rows = grouped_rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.block("q", me)
     owners = []

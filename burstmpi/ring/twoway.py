@@ -26,7 +26,7 @@ reach the same neighbour.
 import time
 
 from ..transport.comm import Channel
-from .flat import (Timer, _rows, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces,
+from .flat import (Timer, backward_operands, bwd_pieces, finish_forward, finish_gradients, fwd_pieces, grouped_rows,
                    key_operands, load_packet, packet_dims, packet_fields, runs)
 
 __all__ = ["arcs", "TwoWaySchedule", "two_way_bytes", "forward", "backward"]
@@ -145,7 +145,7 @@ def forward(plan, q, k, v, dims):
     timer, t_start = Timer(), time.perf_counter()
     home_k = key_operands(k, v)
     _load((up, down), (sched.up, sched.down), geo, "k", home_k, plan.rank, be.xp)
-    q_rows = _rows(q, Zkv)
+    q_rows = grouped_rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.block("q", plan.rank)
     owners = []

@@ -20,7 +20,8 @@ A channel moves its buffers through a transport (``mpi``, ``shm``, ``nccl``).
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["private_comm", "split_once", "Channel", "PartialChannel", "field_bytes", "Packet", "rows_bytes"]
+__all__ = ["private_comm", "split_once", "Channel", "PartialChannel", "field_bytes", "Packet", "packed_fields",
+           "rows_bytes"]
 
 # A partial going home travels on its own tag, so that it can never pair with a receive
 # meant for a partial passing through from the same rank (with two ranks the next rank is
@@ -94,7 +95,7 @@ def _address(buf):
     return int(ptr) if ptr is not None else int(buf.ctypes.data)
 
 
-def _packet(fields, alloc):
+def packed_fields(fields, alloc):
     """One contiguous byte buffer holding every field, plus a view per field."""
     order = sorted(fields, key=lambda f: -np.dtype(f[2]).itemsize)
     sizes = [field_bytes(shape, dt) for _, shape, dt in order]
@@ -129,7 +130,7 @@ class Packet:
         # Fields without a rows axis (tests' toy packets) make a packet of fixed size.
         self.fields = fields
         self.rows = fields[0][1][2] if all(len(shape) > 2 for _, shape, _ in fields) else None
-        self.raw, full = _packet(fields, alloc)
+        self.raw, full = packed_fields(fields, alloc)
         self._views = {self.rows: full}
 
     def nbytes(self, n):
@@ -144,7 +145,7 @@ class Packet:
         v = self._views.get(n)
         if v is None:
             raw = self.raw
-            v = self._views[n] = _packet(_with_rows(self.fields, n), lambda size: raw[:size])[1]
+            v = self._views[n] = packed_fields(_with_rows(self.fields, n), lambda size: raw[:size])[1]
         return v
 
 

@@ -41,8 +41,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .comm import (HOME_TAG_OFFSET, Channel, Counted, Packet, PartialChannel, _packet, check_rows, check_send_rows,
-                   rows_bytes)
+from .comm import (HOME_TAG_OFFSET, Channel, Counted, Packet, PartialChannel, check_rows, check_send_rows,
+                   packed_fields, rows_bytes)
 from .mpi import MPITransport, complete
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
@@ -231,7 +231,7 @@ class ShmChannel(Channel):
         views = self._views.get(self._owner)
         if views is None:
             theirs = self.transport.peer(self._owner, self._raw)
-            views = self._views[self._owner] = _packet(self._packet.fields, lambda n: theirs[:n])[1]
+            views = self._views[self._owner] = packed_fields(self._packet.fields, lambda n: theirs[:n])[1]
         if self._held == self.rows:
             return views
         return {name: v[:, :, :self._held] for name, v in views.items()}
@@ -276,11 +276,11 @@ class ShmPartialChannel(Counted):
         self._fields = fields
         # Laid out for the most rows; a partial of fewer is their first rows (``comm.Packet``
         # counts the bytes a copying ring would move).
-        self._send = [_packet(fields, alloc) for _ in range(2)]
+        self._send = [packed_fields(fields, alloc) for _ in range(2)]
         # Our own partial comes home into this buffer, written by its last contributor: we
         # add it after our last step (``ring.backward``), so it is copied rather than read in
         # its sender's buffer, which the sender could not write again until then.
-        self._home = _packet(fields, alloc)
+        self._home = packed_fields(fields, alloc)
         self.rows = fields[0][1][2]
         self._send_rows = self.rows
         self._next = 0
@@ -333,7 +333,7 @@ class ShmPartialChannel(Counted):
         views = self._views.get(key)
         if views is None:
             theirs = self.transport.peer(src, self._send[key[1]][0])
-            views = self._views[key] = _packet(self._fields, lambda n: theirs[:n])[1]
+            views = self._views[key] = packed_fields(self._fields, lambda n: theirs[:n])[1]
         self._unacked.append(key)
         return _first(views, rows, self.rows)
 
@@ -365,7 +365,7 @@ class ShmPartialChannel(Counted):
         dest = self.send_to if dest is None else dest
         if home:  # into the owner's home buffer: ours is free again at once
             theirs = self.transport.peer(dest, self._home[0], write=True)
-            views = _first(_packet(self._fields, lambda n: theirs[:n])[1], self._send_rows, self.rows)
+            views = _first(packed_fields(self._fields, lambda n: theirs[:n])[1], self._send_rows, self.rows)
             for name, view in _first(self._send[i][1], self._send_rows, self.rows).items():
                 views[name][...] = view
         self.transport.sync()
