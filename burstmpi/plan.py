@@ -324,7 +324,7 @@ class BurstAttention:
             machine = Machine("auto", fwd_tflops=_NOMINAL_TFLOPS, bwd_tflops=_NOMINAL_TFLOPS,
                               intra_gbps=self._links[0], inter_gbps=self._links[1], ranks_per_node=g)
             mode = None if self.bwd_comm == "auto" else self.bwd_comm
-            self._auto[key] = choose_topology(shape, machine, self.nranks, self.layout_name, g, mode)[0]
+            self._auto[key] = choose_topology(shape, machine, self.nranks, self.layout_name, g, mode)
         return self._auto[key]
 
     def _transport_name(self, topology):

@@ -17,8 +17,8 @@ same IR compiles for 16-float vectors where the CPU has AVX-512 (``LANES``; ``NR
 Measured on one AVX2 core (EPYC, znver3, 2026-12-03), 128 x 128 x 128 from packed
 operands: 96 GFLOP/s, against sgemm's 83 on the same shapes unpacked (89.5 at 512 x 512).
 
-numba's disk cache keys ``cpu_packed``'s machine code on ``cpu_packed.py`` alone: a change
-here reaches it only once that file changes too (or its ``__pycache__`` entries go).
+A change here reaches ``cpu_packed``'s cached machine code: ``jit_cache`` flushes it when
+this file changes (numba alone keys it on ``cpu_packed.py``).
 """
 
 import llvmlite.binding as llvm

@@ -122,12 +122,12 @@ def predict_ring(shape, machine, P, layout, topology="flat", head_parallel=1, ra
 def choose_topology(shape, machine, P, layout, ranks_per_node, bwd_mode=None, margin=0.05):
     """``topology="auto"``'s choice: "two-level" where the model predicts its forward +
     backward at least ``margin`` faster than the flat ring's, else "flat" (the simpler ring
-    wins a tie); with both predictions. Both rings compute the same pairs, so the choice
-    turns on the links: the two-level ring keeps all but one transfer a cycle inside the
-    nodes and hides that one behind the cycle."""
+    wins a tie). Both rings compute the same pairs, so the choice turns on the links: the
+    two-level ring keeps all but one transfer a cycle inside the nodes and hides that one
+    behind the cycle."""
     flat, two = (predict_ring(shape, machine, P, layout, t, ranks_per_node=ranks_per_node, bwd_mode=bwd_mode)
                  for t in ("flat", "two-level"))
-    return ("two-level" if two["fwdbwd_ms"] < (1 - margin) * flat["fwdbwd_ms"] else "flat"), flat, two
+    return "two-level" if two["fwdbwd_ms"] < (1 - margin) * flat["fwdbwd_ms"] else "flat"
 
 
 def _flat_inter(f, b, nodes):
