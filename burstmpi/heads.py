@@ -24,7 +24,7 @@ from .transport.alltoall import HeadExchange
 from .transport.comm import split_once
 from .transport.nodes import Nodes
 
-__all__ = ["HeadParallel", "check_head_parallel", "member_heads"]
+__all__ = ["HeadParallel", "check_head_parallel", "member_heads", "exchange_transport"]
 
 
 def check_head_parallel(fn, u, nranks, nodes, heads, kv_heads):
@@ -64,7 +64,8 @@ class HeadParallel:
         self.plan, self.u = plan, int(u)
         self._comms = None   # (group comm, ring comm), split once
         self._inner = None   # the BurstAttention over the ring of groups
-        self._exchange = None  # (layout, HeadExchange) of the last call
+        self._exchange = None  # (layout, the plan's transport, HeadExchange) of the last call
+        self._mover = None     # (the plan's transport, what the exchange runs on: None for MPI)
 
     def _setup(self):
         """Split the plan's communicator (collective, first call) and build the ring's plan:
@@ -87,14 +88,20 @@ class HeadParallel:
         inner.runtime.nodes = Nodes([nodes.node_of[g * u + rank % u] for g in range(plan.nranks // u)], rank // u)
         self._inner = inner
 
-    def _exchange_for(self, layout):
-        """The group's exchange for this call's layout (the last one kept: a training loop
-        repeats its lengths, and packed documents change them every batch)."""
-        if self._exchange is None or self._exchange[0] is not layout:
-            g = self.plan.rank // self.u
-            self._exchange = (layout, HeadExchange(
-                self._comms[0], [layout.positions(r) for r in range(g * self.u, (g + 1) * self.u)]))
-        return self._exchange[1]
+    def _exchange_for(self, layout, xp):
+        """The group's exchange for this call's layout and arrays (the last one kept: a
+        training loop repeats its lengths, and packed documents change them every batch):
+        on the ring's transport where it moves device arrays itself (``exchange_transport``),
+        else ``MPI.Alltoallv`` of host arrays."""
+        transport, group = self.plan.transport, self._comms[0]
+        if self._mover is None or self._mover[0] is not transport:  # made once per ring transport
+            self._mover = (transport, exchange_transport(transport, group))
+        if self._exchange is None or self._exchange[0] is not layout or self._exchange[1] is not transport:
+            g, mover = self.plan.rank // self.u, self._mover[1]
+            self._exchange = (layout, transport, HeadExchange(
+                group, [layout.positions(r) for r in range(g * self.u, (g + 1) * self.u)],
+                transport=mover, xp=np if mover is None else xp))
+        return self._exchange[2]
 
     def _inner_for(self, heads):
         """The ring's plan with this member's share of a per-head mask."""
@@ -124,12 +131,13 @@ class HeadParallel:
         return result
 
     def _begin(self, dims, xp):
-        """A call's exchange (its byte count reset), head slices and host staging."""
+        """A call's exchange (its byte count reset), head slices and host staging (none
+        where the exchange moves the arrays where they are)."""
         self._setup()
         Z, Zkv = dims[2], dims[3]
-        ex = self._exchange_for(self.plan.layout)
+        ex = self._exchange_for(self.plan.layout, xp)
         ex.bytes_sent = 0
-        return ex, self._slices(Z, Zkv), _Staging(xp)
+        return ex, self._slices(Z, Zkv), _Staging(np if ex.xp is xp else xp)
 
     def forward(self, h, dims, cu_seqlens, xp):
         """``(out, lse, stats)`` of checked and agreed arrays ``h`` (q, k, v)."""
@@ -182,10 +190,17 @@ class HeadParallel:
         return st
 
 
+def exchange_transport(transport, group):
+    """The transport the all-to-all of ``group`` (an MPI communicator) runs on, or None for
+    ``MPI.Alltoallv`` of host arrays: NCCL's grouped transfers where the ring's transport
+    is NCCL (a communicator of the group's own), so GPU arrays skip the host."""
+    return transport.on(group) if transport.name == "nccl" else None
+
+
 def _rows_last(lse):
     """(B, heads, C) <-> (B, C, heads), contiguous: lse with its tokens where the exchange
-    wants them (axis 1), and back."""
-    return np.ascontiguousarray(lse.transpose(0, 2, 1))
+    wants them (axis 1), and back (NumPy or CuPy: ``copy`` makes C order in both)."""
+    return lse.transpose(0, 2, 1).copy()
 
 
 class _Staging:

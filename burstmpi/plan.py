@@ -106,8 +106,9 @@ class BurstAttention:
     topology : {"flat", "two-level", "auto"}
         "flat": one ring in rank order. "two-level": a ring inside each node and one
         between nodes, linking the ranks of equal local rank, its transfer hidden behind
-        a whole inner cycle (``burstmpi.ring.twolevel``; nodes of equal size, host arrays,
-        every ``bwd_comm``; "auto" takes "burst" or "ring", whichever moves fewer bytes).
+        a whole inner cycle (``burstmpi.ring.twolevel``; nodes of equal size, host or GPU
+        arrays, every ``bwd_comm``; "auto" takes "burst" or "ring", whichever moves fewer
+        bytes).
         "auto": where the ranks span several equal nodes of 2+ ranks and the arrays are on
         the host, the performance model's choice for the call's shape at the links'
         speeds (``BURSTMPI_LINK_GBPS``, else measured once per plan: a few MB each way
@@ -290,10 +291,17 @@ class BurstAttention:
             run = twoway.forward if self._forward_two_way(dims, h["q"].dtype) else ring.forward
         with abort_on_device_error(self.comm):
             out, lse, st = run(self, h["q"], h["k"], h["v"], dims)
-            self.runtime.finish()
+            self._finish(topology)
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         self.last_stats.transport = self._transport_name(topology)
         return like(out, q), like(lse, q)
+
+    def _finish(self, topology):
+        """End of a phase: every transport that runs asynchronously (NCCL) checks that its
+        transfers completed, with a timeout (``Runtime.finish``), the two-level rings' too."""
+        self.runtime.finish()
+        if topology == "two-level":
+            twolevel.rings(self).finish()
 
     def _ring_topology(self, kind, dims=None, dtype=None):
         """The ring this call runs: "two-level" or "flat". ``topology``'s "auto" is flat unless
@@ -400,7 +408,7 @@ class BurstAttention:
                 dq, dk, dv, st = twoway.backward(self, *args)
             else:
                 dq, dk, dv, st = ring.backward(self, mode, *args)
-            self.runtime.finish()
+            self._finish(topology)
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
         self.last_stats.transport = self._transport_name(topology)
         self.last_stats.buffer_bytes = self.buffer_bytes

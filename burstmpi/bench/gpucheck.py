@@ -14,7 +14,9 @@
 4. interop torch CUDA tensors in, torch CUDA tensors out, zero-copy (if torch has CUDA).
 5. ranks   ``mpiexec -n 2, 3, 4`` on this one GPU through the MPI transport (NCCL refuses
            two ranks on one GPU), every rank checked against float64: the ring, and decode
-           over a cache sharded across the ranks (bitwise the same result on every rank).
+           over a cache sharded across the ranks (bitwise the same result on every rank);
+           at 4 ranks, as 2 fake nodes of 2, also the two-level ring (every backward
+           mode) and head parallelism (u = 2).
 6. bench   forward and backward TFLOP/s at 16384 tokens, head dim 128, bfloat16, next to
            PyTorch's ``scaled_dot_product_attention`` on the same GPU; one decode call over a
            cache of 256K tokens (bfloat16, 32/8 heads, head dim 128) and the rate it reads K/V.
@@ -195,16 +197,19 @@ def ranks_worker(transport, seqlen_local):
 
     n = P * seqlen_local
     docs = np.array([0, 1, n // 3, n // 3, n // 2 + 7, n - 5])  # any length, packed documents
-    cases = [("zigzag", True, None, None, n, ("burst", "ring")),
-             ("contiguous", False, None, None, n, ("burst", "ring")),
-             ("zigzag", True, None, docs, n - 5, ("burst", "ring")),
-             ("contiguous", False, (40, 40), None, n - 3, ("two-way",))]
+    cases = [("zigzag", True, None, None, n, ("burst", "ring"), {}),
+             ("contiguous", False, None, None, n, ("burst", "ring"), {}),
+             ("zigzag", True, None, docs, n - 5, ("burst", "ring"), {}),
+             ("contiguous", False, (40, 40), None, n - 3, ("two-way",), {})]
+    if P >= 4 and P % 2 == 0:  # check_ranks makes nodes of 2 ranks here (BURSTMPI_RANKS_PER_NODE)
+        cases += [("zigzag", True, None, docs, n - 5, ("burst", "ring", "two-way"), {"topology": "two-level"}),
+                  ("zigzag", True, None, None, n, ("burst",), {"head_parallel": 2})]
     for dtype in ("bfloat16", "float32"):
-        for layout, causal, window, cu, N, modes in cases:
+        for layout, causal, window, cu, N, modes, extra in cases:
             for mode in modes:
                 q, k, v, do = _problem(1, N, 4, 2, 64, dtype, seed=P)
                 plan = BurstAttention(causal=causal, window=window, layout=layout, bwd_comm=mode,
-                                      backend="cuda", transport=transport)
+                                      backend="cuda", transport=transport, **extra)
                 loc = [cupy.asarray(shard(x, layout=layout, cu_seqlens=cu)) for x in (q, k, v, do)]
                 out, lse = plan.forward(*loc[:3], cu_seqlens=cu)
                 grads = plan.backward(loc[3], *loc[:3], out, lse, cu_seqlens=cu)
@@ -214,14 +219,17 @@ def ranks_worker(transport, seqlen_local):
                 exact = ref.forward(q, k, v, **opts) + ref.backward(do, q, k, v, **opts)
                 plain = (ref.forward(q, k, v, precision="plain", **opts)
                          + ref.backward(do, q, k, v, precision="plain", **opts))
-                what = f"{dtype} {layout} N={N} causal={causal} window={window} docs={cu is not None} {mode}"
+                what = (f"{dtype} {layout} N={N} causal={causal} window={window} docs={cu is not None} {mode}"
+                        + "".join(f" {k}={v}" for k, v in extra.items()))
                 for name, o, e, p in zip(("out", "lse", "dq", "dk", "dv"), ours, exact, plain):
                     ok, err = _within(o, e, p, dtype)
                     if not ok:
                         bad.append(f"r{rank} {what} {name}: {err:.2e}")
                 st = plan.last_stats
+                if st.topology != extra.get("topology", "flat"):
+                    bad.append(f"r{rank} {what}: ran topology {st.topology}")
                 if rank == 0 and dtype == "bfloat16" and mode == "burst":
-                    print(f"  P={P} {layout:10s} causal={causal!s:5s} transport={st.transport} "
+                    print(f"  P={P} {layout:10s} causal={causal!s:5s} {extra or ''} transport={st.transport} "
                           f"fwd {st.forward.wall_s * 1e3:.1f} ms, bwd {st.backward.wall_s * 1e3:.1f} ms",
                           flush=True)
     for dtype in ("bfloat16", "float32"):  # decode over a cache sharded across the ranks
@@ -261,8 +269,9 @@ def check_ranks(rep, transport, quick):
                "--ranks-only", "--transport", transport]
         t0 = time.perf_counter()
         try:
+            nodes = {"BURSTMPI_RANKS_PER_NODE": "2"} if n % 2 == 0 else {}  # 4 ranks: two-level, head_parallel
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                                 env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+                                 env=dict(os.environ, OPENBLAS_NUM_THREADS="1", **nodes))
             out, rc = res.stdout + res.stderr, res.returncode
         except subprocess.TimeoutExpired as e:
             out, rc = (e.stdout or "") if isinstance(e.stdout, str) else "", "timeout"

@@ -29,17 +29,19 @@ goes home, and each rank adds dQ of its queries and dK/dV of its keys itself, as
 flat two-way ring does.
 
 Inner and outer transfers use communicators of their own (split from the plan's), so
-they match only among themselves; the home partials use the plan's. On each, every rank
+they match only among themselves; the home partials use the plan's. Each ring runs the
+plan's kind of transport on its communicator (``on``): NCCL with an NCCL communicator
+and a comm stream per ring for GPU arrays, MPI for host arrays. On each, every rank
 posts its transfers as the same groups in the same order (``steps``), so they pair up
-without tags, group by group, as NCCL pairs them (the tests run the rings on such a
+without tags, group by group, as NCCL pairs them, and NCCL's communicators used side by
+side see every rank queue its work in one order (the tests run the rings on such a
 transport, ``tests/ordered_transport.py``).
 
 Under masks packets shrink as they go (``Route``): a hop carries only the rows that some
 later holder reads, and an outer hop only those that later nodes read, so the network
 carries no row no node ahead needs. A partial holds the rows its block brought to the
 node. Steps with no visible pair skip their compute; their transfer still runs, shrunk,
-often to nothing, so that every rank posts the same transfers in the same order. Host
-arrays, MPI transports. The buffers are the plan's, kept from call to call while the
+often to nothing, so that every rank posts the same transfers in the same order. The buffers are the plan's, kept from call to call while the
 shapes stay (``BurstAttention.buffer_bytes`` counts them).
 """
 
@@ -50,7 +52,6 @@ import numpy as np
 
 from ..config import settings
 from ..transport.comm import Channel, split_once
-from ..transport.mpi import MPITransport
 from ..transport.nodes import Nodes
 from ..transport.slowlinks import SlowLinksTransport
 from .flat import (Timer, cut_runs, finish_forward, fwd_pieces, grouped_rows, key_operands, load_packet, nbytes,
@@ -60,17 +61,15 @@ from .stats import PhaseStats
 __all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward"]
 
 TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME, TAG_Q_INNER, TAG_Q_OUTER = 41, 42, 43, 44, 45, 46
-# The inner and outer rings' transport class. The tests put NCCL's ordering here
-# (tests/ordered_transport.py: groups run in order, sends complete when received, no tags).
-RING_TRANSPORT = MPITransport
 
 
 def check_two_level(fn, nodes, kind):
     """Raise ValueError naming ``topology`` where these nodes (or arrays of ``kind``) cannot
     run two rings."""
-    if kind == "cuda":
-        raise ValueError(f"{fn}: topology: 'two-level' runs on host arrays for now (its GPU rings over NCCL "
-                         "are not built); use 'flat' or 'auto' with GPU arrays")
+    if kind == "cuda" and settings().internode_gbps:
+        raise ValueError(f"{fn}: topology: BURSTMPI_INTERNODE_GBPS (--internode-gbps) slows host transfers "
+                         f"between fake nodes, a simulation aid for host arrays; got GPU arrays with it set to "
+                         f"{settings().internode_gbps:g}")
     if not nodes.equal:
         raise ValueError(f"{fn}: topology: 'two-level' needs nodes of equal size, got {nodes.describe()} "
                          "(BURSTMPI_RANKS_PER_NODE sets the node size)")
@@ -89,13 +88,25 @@ class _Rings:
         self.path_name = "two-level:" + ",".join(map(str, nodes.node_of))
         self.inner, self.outer = split_once(comm, ("two-level", nodes.node_of),
                                             [(self.node, self.local), (self.local, self.node)])
+        # The plan's kind of transport on each ring's communicator (``on``): NCCL with a
+        # communicator and a stream per ring on GPUs, MPI on the host (a shared window is
+        # the plan communicator's, so its rings copy through MPI).
         gbps = settings().internode_gbps
-        self.t_inner = RING_TRANSPORT(self.inner)
-        self.t_outer = (SlowLinksTransport(self.outer, Nodes(range(self.N), self.node), gbps) if gbps
-                        else RING_TRANSPORT(self.outer))
-        for t in (self.t_inner, self.t_outer):
-            t.idle = plan.transport.idle
+        self.t_inner = plan.transport.on(self.inner)
+        if gbps:  # host arrays only (check_two_level)
+            self.t_outer = SlowLinksTransport(self.outer, Nodes(range(self.N), self.node), gbps)
+            self.t_outer.idle = plan.transport.idle
+        else:
+            self.t_outer = plan.transport.on(self.outer)
         self._kept, self.nbytes = {}, 0
+
+    def finish(self):
+        """End of a phase: the rings' transports that run asynchronously (NCCL) check that
+        their transfers completed, as ``Runtime.finish`` does for the plan's."""
+        for t in (self.t_inner, self.t_outer):
+            finish = getattr(t, "finish", None)
+            if finish is not None:
+                finish()
 
     def kept(self, key, make, be):
         """The buffers ``make(alloc)`` builds for ``key`` (fields), made once and counted."""

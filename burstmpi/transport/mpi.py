@@ -47,6 +47,15 @@ class MPITransport:
     def __init__(self, comm):
         self.comm = comm
 
+    def on(self, comm):
+        """The same kind of transport over another communicator, waiting as this one does
+        (the two-level ring's inner and outer rings run on sub-communicators of the plan's)."""
+        return self._like(type(self)(comm))
+
+    def _like(self, other):
+        other.idle = self.idle
+        return other
+
     @staticmethod
     def group():
         """The transfers of one ring step are posted inside this context. MPI matches
@@ -87,6 +96,9 @@ class DeviceMPITransport(MPITransport):
         super().__init__(comm)
         self._synchronize = synchronize
 
+    def on(self, comm):
+        return self._like(DeviceMPITransport(comm, self._synchronize))
+
     def isend(self, buf, dest, tag):
         self._synchronize()
         return super().isend(buf, dest, tag)
@@ -118,6 +130,9 @@ class StagedMPITransport(MPITransport):
         self._to_host, self._to_device = to_host, to_device
         self._alloc_host = alloc_host or (lambda n: np.empty(n, dtype=np.uint8))
         self._hosts = {}
+
+    def on(self, comm):
+        return self._like(StagedMPITransport(comm, self._to_host, self._to_device, self._alloc_host))
 
     def _host(self, buf, role):
         """The host copy of ``buf``: one per (role, device address), grown to the largest

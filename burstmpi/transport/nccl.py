@@ -122,6 +122,13 @@ class NCCLTransport:
         self._open = None
         self._last = None
 
+    def on(self, comm):
+        """NCCL over another communicator: a communicator and a comm stream of its own, so
+        transfers on the two never pair with each other (the two-level ring's inner and
+        outer rings; every rank queues its groups on them in one order, as NCCL needs of
+        communicators used side by side)."""
+        return NCCLTransport(comm, self.device_id, self.timeout_s, _cupy=self._cupy, _nccl=self._nccl)
+
     @contextlib.contextmanager
     def group(self):
         if self._open is not None:

@@ -100,6 +100,10 @@ class ShmTransport(MPITransport):
         self._fence = None   # the Ibarrier that ended the last phase
         self._open = False   # a phase began and has not finished
 
+    def on(self, comm):
+        """Plain MPI over another communicator: the window is this one's (its ranks map it)."""
+        return self._like(MPITransport(comm))
+
     @staticmethod
     def channel_for(cls):
         """The channel class that carries ``cls``'s traffic here."""

@@ -49,6 +49,11 @@ class SlowLinksTransport(MPITransport):
         super().__init__(comm)
         self.nodes, self.rate = nodes, float(gbps) * 1e9
 
+    def on(self, comm):
+        """Plain MPI over another communicator: the two-level ring slows its outer ring
+        itself, whose ranks are numbered by node."""
+        return self._like(MPITransport(comm))
+
     def irecv(self, buf, source, tag):
         request = super().irecv(buf, source, tag)
         if not self.nodes.remote(self.comm.Get_rank(), source):

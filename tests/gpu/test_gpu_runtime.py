@@ -186,6 +186,22 @@ def test_nccl_transport_orders_a_step_with_events():
     t.finish()  # completed event: returns at once
 
 
+def test_nccl_on_another_communicator_has_a_communicator_and_stream_of_its_own(monkeypatch):
+    """The two-level ring's inner and outer rings and head parallelism's all-to-all
+    (``NCCLTransport.on``): an NCCL communicator per MPI communicator (bootstrapped there)
+    and a comm stream each, the device and timeout kept, so transfers of one ring can never
+    pair with another's."""
+    t, log, Buf = _fakes()
+    made = []
+    monkeypatch.setattr(nccl, "communicator", lambda comm, dev: made.append((comm, dev)) or f"nccl of {comm}")
+    inner, outer = t.on("inner"), t.on("outer")
+    assert made == [("inner", 0), ("outer", 0)]
+    assert (inner.nccl_comm, outer.nccl_comm) == ("nccl of inner", "nccl of outer")
+    assert len({id(inner.stream), id(outer.stream), id(t.stream)}) == 3
+    assert inner.device_id == t.device_id and inner.timeout_s == t.timeout_s
+    assert inner._cupy is t._cupy and inner._nccl is t._nccl
+
+
 def test_nccl_allgather_is_ordered_after_the_kernels_and_before_the_merge():
     # The decode's one collective: the comm stream waits for the partial's kernels, the
     # compute stream (the merge) waits for the allgather; no host synchronisation.

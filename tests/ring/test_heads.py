@@ -193,6 +193,61 @@ def test_bytes_across_nodes_fall_to_the_ring_of_groups(per_node):
     assert h.bytes_sent > h.bytes_internode  # the all-to-all's bytes, inside the node
 
 
+# -- the all-to-all as NCCL runs it ----------------------------------------------------
+
+
+@multirank
+def test_point_to_point_exchange_matches_alltoallv():
+    """``HeadExchange`` over a transport's grouped sends and receives (NCCL's way on GPUs)
+    moves what ``MPI.Alltoallv`` moves, with a member that holds no tokens (no message to or
+    from it) and unequal shares; the bytes counted are the same."""
+    from burstmpi.transport.alltoall import HeadExchange
+    from ordered_transport import InOrderTransport
+
+    P = NRANKS
+    positions = [np.arange(m) * P + m for m in range(P)]  # member m: m tokens, interleaved (none for 0)
+    H = 2 * P
+    heads = [slice(2 * m, 2 * m + 2) for m in range(P)]
+    x = np.random.default_rng(RANK).standard_normal((2, len(positions[RANK]), H, 5)).astype(np.float32)
+    got = []
+    for transport in (None, InOrderTransport(COMM)):
+        ex = HeadExchange(COMM, positions, transport=transport)
+        y = ex.to_heads(x, heads)
+        back = ex.to_tokens(y * 2, heads, H)
+        got.append((y, back, ex.bytes_sent))
+    (y0, b0, n0), (y1, b1, n1) = got
+    assert y0.shape == (2, sum(len(p) for p in positions), 2, 5)
+    np.testing.assert_array_equal(y0, y1)
+    np.testing.assert_array_equal(b0, b1)
+    np.testing.assert_array_equal(b1, 2 * x)
+    assert n0 == n1
+
+
+@multirank
+def test_head_parallel_over_grouped_point_to_point_transfers(per_node, monkeypatch):
+    """The whole head-parallel call with its all-to-alls on a transport of the group's own
+    (``exchange_transport``, NCCL on GPUs), here one that pairs transfers in order without
+    tags (tests/ordered_transport.py): against float64, with replicated K/V heads, documents
+    and both backward modes; the transport is made once per group."""
+    from burstmpi import heads
+    from ordered_transport import InOrderTransport
+
+    made = []
+
+    def mover(transport, group):
+        made.append(group.Get_size())
+        return InOrderTransport(group)
+
+    monkeypatch.setattr(heads, "exchange_transport", mover)
+    u = GROUPS[-1]
+    per_node(u)
+    N = 9 * NRANKS + 4
+    for mode in ("burst", "ring"):
+        check_against_float64(N=N, Z=2 * u, Zkv=1, d=16, causal=True, layout="zigzag", head_parallel=u,
+                              bwd_comm=mode, cu_seqlens=random_docs(N, seed=u), tag="heads p2p ")
+    assert made == [u, u]  # one per plan (each check makes its own), for the group
+
+
 # -- errors -----------------------------------------------------------------------------
 
 

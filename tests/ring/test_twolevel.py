@@ -11,7 +11,6 @@ import pytest
 import burstmpi
 import kernel_harness as kh
 from burstmpi import reference as ref
-from burstmpi.ring import twolevel
 from burstmpi.masks import BlockSparse, Causal, Chunked, PerHead, Sinks, Window
 from burstmpi.transport.nodes import Nodes
 from burstmpi.config import settings
@@ -110,14 +109,14 @@ def test_in_order_transport_reports_a_mispairing():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-def test_two_level_pairs_its_transfers_as_nccl_does(per_node, monkeypatch, mode):
+def test_two_level_pairs_its_transfers_as_nccl_does(per_node, mode):
     """Every transfer of the two rings, the partials on the inner ring and the partials
     home, on ``InOrderTransport``: groups run in order, sends complete only when received,
     and messages pair first in first out without tags, as on NCCL. A rank whose groups do
     not pair up with its peers' deadlocks (the timeout), and one that queues transfers to
     a peer in another order than the peer receives them fails (``MisPaired``); over MPI,
-    tags and eager sends would hide both."""
-    monkeypatch.setattr(twolevel, "RING_TRANSPORT", InOrderTransport)
+    tags and eager sends would hide both. The rings take the plan's transport ``on`` their
+    communicators (``MPITransport.on``), as they take NCCL on GPUs."""
     sizes = SPREAD or SIZES
     per_node(sizes[MODES.index(mode) % len(sizes)])
     plan, _ = check_against_float64(N=5 * NRANKS + 3, Z=4, Zkv=2, d=16, causal=True, layout="zigzag",
@@ -245,6 +244,21 @@ def test_bad_link_speeds_name_the_variable(monkeypatch):
     monkeypatch.setenv("BURSTMPI_LINK_GBPS", "8")
     with pytest.raises(ValueError, match=r"BURSTMPI_LINK_GBPS: expected two positive numbers A,B, got '8'"):
         settings()
+
+
+def test_gpu_arrays_take_the_two_level_ring_but_not_slowed_links(monkeypatch):
+    """GPU arrays run the two-level ring (its rings on the plan's transport ``on`` their
+    communicators: NCCL there); the slowed links of ``--internode-gbps`` are a host-only
+    simulation aid, so asking for them with GPU arrays names the setting."""
+    from burstmpi.ring.twolevel import check_two_level
+    from burstmpi.transport.nodes import Nodes
+
+    two = Nodes([0, 0, 1, 1], 0)
+    check_two_level("f", two, "cuda")
+    monkeypatch.setenv("BURSTMPI_INTERNODE_GBPS", "2.5")
+    check_two_level("f", two, "numpy")
+    with pytest.raises(ValueError, match=r"f: topology: BURSTMPI_INTERNODE_GBPS .* GPU arrays .* 2\.5"):
+        check_two_level("f", two, "cuda")
 
 
 def test_bad_topology_is_refused():

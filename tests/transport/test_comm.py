@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from burstmpi.transport.comm import Channel, PartialChannel
-from burstmpi.transport.mpi import DeviceMPITransport
+from burstmpi.transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 
 
 class Loopback:
@@ -167,3 +167,28 @@ def test_a_cuda_aware_mpi_send_waits_for_the_stream_first():
     s = t.isend(out, 0, 5)
     t.wait([s, r])
     assert calls == ["sync"] and (into == out).all() and not t.eager
+
+
+def test_a_transport_on_another_communicator_keeps_its_kind():
+    """``on``: the two-level ring's inner and outer rings and head parallelism's all-to-all
+    run on sub-communicators with the plan's kind of transport (its waits too); a shared
+    window and slowed links belong to the plan's communicator, so theirs are plain MPI."""
+    from mpi4py import MPI
+
+    from burstmpi.transport.nodes import Nodes
+    from burstmpi.transport.shm import ShmTransport
+    from burstmpi.transport.slowlinks import SlowLinksTransport
+    from ordered_transport import InOrderTransport
+
+    comm = MPI.COMM_SELF
+    sync, to_host, to_dev = (lambda *a: None), (lambda *a: None), (lambda *a: None)
+    for t, kind in [(MPITransport(comm), MPITransport), (InOrderTransport(comm), InOrderTransport),
+                    (DeviceMPITransport(comm, sync), DeviceMPITransport),
+                    (StagedMPITransport(comm, to_host, to_dev), StagedMPITransport),
+                    (ShmTransport(comm), MPITransport), (SlowLinksTransport(comm, Nodes([0], 0), 1.0), MPITransport)]:
+        t.idle = True
+        other = t.on(comm)
+        assert type(other) is kind and other.comm is comm and other.idle, type(t).__name__
+    staged = StagedMPITransport(comm, to_host, to_dev).on(comm)
+    assert staged._to_host is to_host and staged._to_device is to_dev
+    assert DeviceMPITransport(comm, sync).on(comm)._synchronize is sync
