@@ -41,8 +41,9 @@ Under masks packets shrink as they go (``Route``): a hop carries only the rows t
 later holder reads, and an outer hop only those that later nodes read, so the network
 carries no row no node ahead needs. A partial holds the rows its block brought to the
 node. Steps with no visible pair skip their compute; their transfer still runs, shrunk,
-often to nothing, so that every rank posts the same transfers in the same order. The buffers are the plan's, kept from call to call while the
-shapes stay (``BurstAttention.buffer_bytes`` counts them).
+often to nothing, so that every rank posts the same transfers in the same order. The
+buffers are the plan's, kept from call to call while the shapes stay
+(``BurstAttention.buffer_bytes`` counts them).
 """
 
 import time
