@@ -25,10 +25,12 @@ from .validate import check_backward, check_cu_seqlens, check_forward, check_opt
 
 __all__ = ["BurstAttention", "PhaseStats", "Stats"]
 
-# topology="auto": the kernel rate (TFLOP/s a rank, forward and backward) the model assumes
-# for host arrays, about this project's CPU backend on one core; the choice hardly depends
-# on it (``BurstAttention._auto_topology``).
-_NOMINAL_TFLOPS = 0.05
+# topology="auto": the kernel rate (TFLOP/s a rank, forward and backward) the model assumes,
+# for host arrays about this project's CPU backend on one core, for GPU arrays a nominal
+# rate of data-centre GPUs' attention kernels (ours have not been timed on one yet). Both
+# rings compute the same pairs, so the rate only sets how much compute hides the transfers
+# (``BurstAttention._auto_topology``).
+_NOMINAL_TFLOPS = {"host": 0.05, "cuda": 200.0}
 
 
 @dataclass
@@ -109,11 +111,12 @@ class BurstAttention:
         a whole inner cycle (``burstmpi.ring.twolevel``; nodes of equal size, host or GPU
         arrays, every ``bwd_comm``; "auto" takes "burst" or "ring", whichever moves fewer
         bytes).
-        "auto": where the ranks span several equal nodes of 2+ ranks and the arrays are on
-        the host, the performance model's choice for the call's shape at the links'
-        speeds (``BURSTMPI_LINK_GBPS``, else measured once per plan: a few MB each way
-        between neighbours; ``burstmpi.transport.links``): two-level where it predicts
-        it 5 % faster, which takes inter-node links slower than the node's; else flat.
+        "auto": where the ranks span several equal nodes of 2+ ranks, the performance
+        model's choice for the call's shape at the links' speeds (``BURSTMPI_LINK_GBPS``,
+        else measured once per plan and kind of arrays: a few MB each way between
+        neighbours, by MPI on the host or by the plan's GPU transport on the GPU;
+        ``burstmpi.transport.links``): two-level where it predicts it 5 % faster, which
+        takes inter-node links slower than the node's; else flat.
         ``last_stats.topology`` says which ran. Nodes: ``burstmpi.transport.nodes``
         (``BURSTMPI_RANKS_PER_NODE``).
     head_parallel : int, default 1
@@ -155,7 +158,7 @@ class BurstAttention:
         self.head_parallel = int(head_parallel)
         self.kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``; burstmpi.heads)
         self._heads = HeadParallel(self, self.head_parallel) if self.head_parallel > 1 else None
-        self._links, self._auto = None, {}  # topology="auto": link speeds, choices per shape
+        self._links, self._auto = {}, {}  # topology="auto": link speeds per kind of arrays, choices per shape
         self.last_stats = Stats()
 
     comm = _delegate("comm", "burstmpi's private duplicate of the plan's communicator.")
@@ -305,32 +308,37 @@ class BurstAttention:
 
     def _ring_topology(self, kind, dims=None, dtype=None):
         """The ring this call runs: "two-level" or "flat". ``topology``'s "auto" is flat unless
-        the ranks span several equal nodes of 2+ ranks with host arrays; there the model
-        chooses (``_auto_topology``) once the call's ``dims`` are agreed (without them, as
-        in the argument checks, "auto" answers flat)."""
+        the ranks span several equal nodes of 2+ ranks; there the model chooses
+        (``_auto_topology``) once the call's ``dims`` are agreed (without them, as in the
+        argument checks, "auto" answers flat)."""
         if self.topology != "auto":
             return self.topology
-        if not self.runtime.nodes.spread or kind == "cuda" or dims is None:
+        if not self.runtime.nodes.spread or dims is None:
             return "flat"
-        return self._auto_topology(dims, dtype)
+        return self._auto_topology("cuda" if kind == "cuda" else "host", dims, dtype)
 
-    def _auto_topology(self, dims, dtype):
+    def _auto_topology(self, where, dims, dtype):
         """The model's choice between the flat and the two-level ring for this call's shape
         (``model.topology.choose_topology``), at the links' configured or measured speeds
-        (``transport.links``: measured once per plan, collectively) and a nominal kernel
-        rate: both rings compute the same pairs, so the rate decides only where both hide
-        their transfers, and there they tie and the flat ring is kept. Cached per shape;
-        the same on every rank (the inputs are agreed, the measurement reduced)."""
-        key = (tuple(dims), str(dtype), self.layout.seqlen)
+        (``transport.links``: measured once per plan and kind of arrays, collectively: MPI
+        on host buffers, or the plan's GPU transport on device buffers) and a nominal
+        kernel rate for ``where`` ("host" or "cuda"): both rings compute the same pairs,
+        so the rate decides only where both hide their transfers, and there they tie and
+        the flat ring is kept. Cached per shape; the same on every rank (the inputs are
+        agreed, the measurement reduced)."""
+        key = (where, tuple(dims), str(dtype), self.layout.seqlen)
         if key not in self._auto:
             nodes = self.runtime.nodes
-            if self._links is None:
-                self._links = link_speeds(self.comm, nodes)
+            if where not in self._links:
+                gpu = dict(transport=self.transport, alloc=self.backend.alloc) if where == "cuda" else {}
+                self._links[where] = link_speeds(self.comm, nodes, **gpu)
+            intra, inter = self._links[where]
             B, _, Z, Zkv, d, dv = dims
             shape = Shape(B, self.layout.seqlen, Z, Zkv, d, dv, np.dtype(dtype).itemsize, self.causal, self.window_arg)
             g = len(nodes.members[0])
-            machine = Machine("auto", fwd_tflops=_NOMINAL_TFLOPS, bwd_tflops=_NOMINAL_TFLOPS,
-                              intra_gbps=self._links[0], inter_gbps=self._links[1], ranks_per_node=g)
+            rate = _NOMINAL_TFLOPS[where]
+            machine = Machine("auto", fwd_tflops=rate, bwd_tflops=rate, intra_gbps=intra, inter_gbps=inter,
+                              ranks_per_node=g)
             mode = None if self.bwd_comm == "auto" else self.bwd_comm
             self._auto[key] = choose_topology(shape, machine, self.nranks, self.layout_name, g, mode)
         return self._auto[key]

@@ -218,7 +218,32 @@ def test_auto_asks_the_model_only_across_equal_nodes(per_node, monkeypatch):
         plan = burstmpi.BurstAttention(topology="auto", causal=True)
         plan.forward(q, k, v)
         assert plan.last_stats.topology == "two-level"
-        assert COMM.allgather(plan._links) == [plan._links] * NRANKS and plan._links[1] == 0.05
+        links = plan._links["host"]
+        assert COMM.allgather(links) == [links] * NRANKS and links[1] == 0.05
+
+
+@pytest.mark.skipif(not SPREAD, reason="needs a rank count with a divisor g, 1 < g < P")
+def test_auto_for_gpu_arrays_times_the_plans_own_transport(per_node, monkeypatch):
+    """For GPU arrays ``auto`` measures the links with the plan's transport on the
+    backend's buffers (NCCL on device memory there; here the plan's host transport and
+    NumPy buffers stand in), apart from the host's figures, and asks the model at a GPU
+    kernel rate: two-level where the network is slow. ``link_speeds`` over a transport
+    agrees on every rank and honours the simulation aid's cap."""
+    from burstmpi.transport.links import link_speeds
+    from burstmpi.transport.mpi import MPITransport
+    from burstmpi.transport.nodes import nodes
+
+    per_node(SPREAD[0])
+    monkeypatch.setenv("BURSTMPI_INTERNODE_GBPS", "0.05")
+    alloc = lambda n: np.empty(n, np.uint8)
+    intra, inter = link_speeds(COMM, nodes(COMM), nbytes=1 << 16, transport=MPITransport(COMM), alloc=alloc)
+    assert COMM.allgather((intra, inter)) == [(intra, inter)] * NRANKS and intra > 0 and 0 < inter <= 0.05
+    q, k, v = (burstmpi.shard(x) for x in ref.random_problem(1, 16 * NRANKS, 4, 2, 16, seed=2)[:3])
+    plan = burstmpi.BurstAttention(topology="auto", causal=True)
+    plan.forward(q, k, v)  # host arrays: measured by MPI
+    assert plan.last_stats.topology == "two-level" and set(plan._links) == {"host"}
+    assert plan._ring_topology("cuda", (1, 16, 4, 2, 16, 16), np.float32) == "two-level"
+    assert set(plan._links) == {"host", "cuda"} and 0 < plan._links["cuda"][1] <= 0.05
 
 
 @pytest.mark.skipif(NRANKS < 8 or NRANKS % 4, reason="needs 8+ ranks in 2 nodes of 4 or more (run under mpiexec)")
