@@ -153,12 +153,12 @@ pytest_kernels = pytest.mark.skipif(not kh.available(), reason="no C++ compiler 
 
 @pytest.fixture(scope="module")
 def lib():
-    return kh.library_on_every_rank(COMM, [(dt, 32, 32) for dt in ("float16", "float32")])
+    return kh.library_on_every_rank(COMM, [(dt, 32, 32) for dt in ("float16", "float32", "bfloat16")])
 
 
 @multirank
 @pytest_kernels
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_head_parallel_on_emulated_kernels(per_node, lib, dtype):
     u = GROUPS[0]
     per_node(u)

@@ -127,17 +127,24 @@ def test_two_level_pairs_its_transfers_as_nccl_does(per_node, mode):
 pytest_kernels = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
 
 
+KERNEL_DTYPES = ["float32", "bfloat16", "float16"]
+
+
 @pytest.fixture(scope="module")
 def lib():
-    return kh.library_on_every_rank(COMM, [("float32", 32, 32)])
+    return kh.library_on_every_rank(COMM, [(dt, 32, 32) for dt in KERNEL_DTYPES])
 
 
 @pytest_kernels
-def test_two_level_on_emulated_kernels(per_node, lib):
-    per_node((SPREAD or SIZES)[0])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_two_level_on_emulated_kernels(per_node, lib, dtype):
+    # The dtypes take the node sizes in turn (4 x 2 and 2 x 4 at 8 ranks).
+    sizes = SPREAD or SIZES
+    per_node(sizes[KERNEL_DTYPES.index(dtype) % len(sizes)])
     be = kh.EmulatedBackend(lib)
-    plan, _ = check_against_float64(N=7 * NRANKS + 2, Z=4, Zkv=2, d=32, causal=True, layout="zigzag", backend=be,
-                                    topology="two-level", bwd_comm="burst", tag="kernels two-level burst ")
+    plan, _ = check_against_float64(N=7 * NRANKS + 2, Z=4, Zkv=2, d=32, dtype=dtype, causal=True, layout="zigzag",
+                                    backend=be, topology="two-level", bwd_comm="burst",
+                                    tag="kernels two-level burst ")
     assert plan.backend is be
 
 
