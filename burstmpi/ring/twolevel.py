@@ -62,6 +62,10 @@ from .stats import PhaseStats
 __all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward"]
 
 TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME, TAG_Q_INNER, TAG_Q_OUTER = 41, 42, 43, 44, 45, 46
+# The rings' transport: None takes the plan's ``on`` each ring's communicator; a class
+# (taking the communicator) replaces it on both rings, for tests that want the rings on
+# another transport than the partials home.
+RING_TRANSPORT = None
 
 
 def check_two_level(fn, nodes, kind):
@@ -93,12 +97,13 @@ class _Rings:
         # communicator and a stream per ring on GPUs, MPI on the host (a shared window is
         # the plan communicator's, so its rings copy through MPI).
         gbps = settings().internode_gbps
-        self.t_inner = plan.transport.on(self.inner)
+        on = lambda c: _ring_transport(plan, c)
+        self.t_inner = on(self.inner)
         if gbps:  # host arrays only (check_two_level)
             self.t_outer = SlowLinksTransport(self.outer, Nodes(range(self.N), self.node), gbps)
             self.t_outer.idle = plan.transport.idle
         else:
-            self.t_outer = plan.transport.on(self.outer)
+            self.t_outer = on(self.outer)
         self._kept, self.nbytes = {}, 0
 
     def finish(self):
@@ -126,6 +131,15 @@ class _Rings:
     def channel(self, transport, fields, size, me, tag, alloc, sign):
         return Channel(transport, fields, send_to=(me + sign) % size, recv_from=(me - sign) % size, tag=tag,
                        alloc=alloc, single=size == 1)
+
+
+def _ring_transport(plan, comm):
+    """A ring's transport on ``comm``: the plan's kind (``on``), or ``RING_TRANSPORT``."""
+    if RING_TRANSPORT is None:
+        return plan.transport.on(comm)
+    t = RING_TRANSPORT(comm)
+    t.idle = plan.transport.idle
+    return t
 
 
 def block_owner(members, node, local, o, s):

@@ -124,6 +124,19 @@ def test_two_level_pairs_its_transfers_as_nccl_does(per_node, mode):
     assert plan.last_stats.transport.count("in-order") == 3 and plan.last_stats.bwd_mode == mode
 
 
+@pytest.mark.timeout(60)
+def test_the_rings_take_another_transport_where_asked(per_node, monkeypatch):
+    """``twolevel.RING_TRANSPORT``: a class put there carries both rings (the partials home
+    stay on the plan's transport); unset, the rings take the plan's kind."""
+    from burstmpi.ring import twolevel
+
+    monkeypatch.setattr(twolevel, "RING_TRANSPORT", InOrderTransport)
+    per_node((SPREAD or SIZES)[0])
+    plan, _ = check_against_float64(N=3 * NRANKS + 1, Z=2, Zkv=1, d=8, causal=True, layout="zigzag",
+                                    topology="two-level", bwd_comm="burst", record=False)
+    assert plan.last_stats.transport.count("in-order") == 2
+
+
 pytest_kernels = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
 
 
