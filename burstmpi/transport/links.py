@@ -5,9 +5,9 @@ measured once per plan, collectively: every rank sends ``nbytes`` to the next ra
 node while it receives from the previous one (the inner ring's pattern, all links busy at
 once), then the same with the rank of its local index on the next node (the outer
 ring's), ``reps`` times each; a speed is ``nbytes`` over the slowest rank's best time.
-For host arrays the figures are MPI's (``Sendrecv`` on host buffers); for GPU arrays they
-are the plan's own transport's on device buffers (``transport=``: NCCL, or MPI staged
-through the host), timed until the host has seen the transfers end (NCCL's ``finish``).
+For host arrays the figures are MPI's on host buffers; for GPU arrays they are the plan's
+own transport's on device buffers (``transport=``: NCCL, or MPI staged through the host),
+timed until the host has seen the transfers end (NCCL's ``finish``).
 ``BURSTMPI_INTERNODE_GBPS`` (the simulation aid of ``slowlinks``) caps the inter-node
 figure, as it caps those transfers.
 """
@@ -16,25 +16,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ..config import settings
+from .mpi import MPITransport
 
 __all__ = ["link_speeds"]
 
 
-def _ring_seconds(comm, dest, source, send, recv, reps):
+def _ring_seconds(comm, transport, dest, source, send, recv, reps):
     """The slowest rank's best time to send ``send`` to ``dest`` while receiving from
-    ``source``."""
-    best = float("inf")
-    for _ in range(reps):
-        comm.Barrier()
-        t0 = MPI.Wtime()
-        comm.Sendrecv(send, dest, 17, recv, source, 17)
-        best = min(best, MPI.Wtime() - t0)
-    return comm.allreduce(best, op=MPI.MAX)
-
-
-def _transport_seconds(comm, transport, dest, source, send, recv, reps):
-    """``_ring_seconds`` over ``transport`` (on ``comm``): one group of the send and the
-    receive, waited for and finished, so an asynchronous transport's time is the host's."""
+    ``source`` over ``transport`` (on ``comm``): one group of the send and the receive,
+    waited for and finished, so an asynchronous transport's time is the host's."""
     finish = getattr(transport, "finish", None)
     best = float("inf")
     for _ in range(reps):
@@ -57,17 +47,15 @@ def link_speeds(comm, nodes, nbytes=4 << 20, reps=3, transport=None, alloc=None)
     if cfg.link_gbps:
         intra, inter = cfg.link_gbps
     else:
-        if transport is None:
-            send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-            seconds = lambda dest, source: _ring_seconds(comm, dest, source, send, recv, reps)
-        else:
-            send, recv = alloc(nbytes), alloc(nbytes)
-            seconds = lambda dest, source: _transport_seconds(comm, transport, dest, source, send, recv, reps)
+        if transport is None:  # host buffers through MPI
+            transport, alloc = MPITransport(comm), lambda n: np.ones(n, np.uint8)
+        send, recv = alloc(nbytes), alloc(nbytes)
         node, i = nodes.node, nodes.local_rank
         mine, N = nodes.members[node], nodes.count
         inner = (mine[(i + 1) % len(mine)], mine[(i - 1) % len(mine)])
         outer = (nodes.members[(node + 1) % N][i], nodes.members[(node - 1) % N][i])
-        intra, inter = (nbytes / seconds(*peers) / 1e9 for peers in (inner, outer))
+        intra, inter = (nbytes / _ring_seconds(comm, transport, *peers, send, recv, reps) / 1e9
+                        for peers in (inner, outer))
     if cfg.internode_gbps:
         inter = min(inter, cfg.internode_gbps)
     return float(intra), float(inter)
