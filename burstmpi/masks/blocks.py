@@ -42,11 +42,15 @@ class BlockFilter:
         out = np.zeros(n, np.int64)
         if n == 0 or (other is not None and len(other) == 0):
             return out
+        # Prefix sums in int32 where every count fits (a block row's prefix sums are the
+        # bulk of planning's time and memory at a million tokens), counted in blocks when
+        # every set block holds bs keys and scaled on lookup (no product array).
+        wide = np.int64 if ncol * bs >= 1 << 31 else np.int32
         if other is None:  # every position (intervals end inside the sequence: a full last block is safe)
-            per_block = np.full(ncol, bs, np.int64)
+            per_block, unit = None, bs
         else:
             other = np.asarray(other, np.int64)
-            per_block = np.bincount(other // bs, minlength=ncol)
+            per_block, unit = np.bincount(other // bs, minlength=ncol).astype(wide), 1
         rows_b = block.pos // bs
         ub, inv = np.unique(rows_b, return_inverse=True)
         lo, hi = np.maximum(block.first, 0), np.minimum(block.last, ncol * bs - 1)
@@ -54,8 +58,8 @@ class BlockFilter:
         for a in range(0, len(ub), step):  # block rows in chunks: prefix sums stay small
             rows = np.nonzero((inv >= a) & (inv < a + step))[0]
             planes = plane[ub[a:a + step]]
-            prefix = np.zeros((len(planes), ncol + 1), np.int64)
-            np.cumsum(planes * per_block, axis=1, out=prefix[:, 1:])
+            prefix = np.zeros((len(planes), ncol + 1), wide)
+            np.cumsum(planes if per_block is None else planes * per_block, axis=1, dtype=wide, out=prefix[:, 1:])
             r = inv[rows] - a
 
             def G(x):  # positions of ``other`` at or before x in set blocks of each row's block row
@@ -64,7 +68,7 @@ class BlockFilter:
                     inside = x - c * bs + 1
                 else:
                     inside = np.searchsorted(other, x, "right") - np.searchsorted(other, c * bs, "left")
-                return np.where(x < 0, 0, prefix[r, c] + planes[r, c] * np.maximum(inside, 0))
+                return np.where(x < 0, 0, unit * prefix[r, c].astype(np.int64) + planes[r, c] * np.maximum(inside, 0))
 
             ok = hi[rows] >= lo[rows]
             out[rows] = np.where(ok, G(hi[rows]) - G(lo[rows] - 1), 0)
