@@ -279,9 +279,7 @@ class Runtime:
         """End of a phase: a transport that runs asynchronously (NCCL) checks that its
         transfers completed, with a timeout, so a dead peer is an error and not a hang; a
         shared window starts the fence the next phase completes before anyone writes."""
-        finish = getattr(self.transport, "finish", None)
-        if finish is not None:
-            finish()
+        self.transport.finish()
 
     def release(self):
         """Free the ring buffers and the CPU backend's working arrays (they are allocated

@@ -109,10 +109,8 @@ class _Rings:
     def finish(self):
         """End of a phase: the rings' transports that run asynchronously (NCCL) check that
         their transfers completed, as ``Runtime.finish`` does for the plan's."""
-        for t in (self.t_inner, self.t_outer):
-            finish = getattr(t, "finish", None)
-            if finish is not None:
-                finish()
+        self.t_inner.finish()
+        self.t_outer.finish()
 
     def kept(self, key, make, be):
         """The buffers ``make(alloc)`` builds for ``key`` (fields), made once and counted."""

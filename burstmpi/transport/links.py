@@ -25,7 +25,6 @@ def _ring_seconds(comm, transport, dest, source, send, recv, reps):
     """The slowest rank's best time to send ``send`` to ``dest`` while receiving from
     ``source`` over ``transport`` (on ``comm``): one group of the send and the receive,
     waited for and finished, so an asynchronous transport's time is the host's."""
-    finish = getattr(transport, "finish", None)
     best = float("inf")
     for _ in range(reps):
         comm.Barrier()
@@ -33,8 +32,7 @@ def _ring_seconds(comm, transport, dest, source, send, recv, reps):
         with transport.group():
             reqs = [transport.isend(send, dest, 17), transport.irecv(recv, source, 17)]
         transport.wait(reqs)
-        if finish is not None:
-            finish()
+        transport.finish()
         best = min(best, MPI.Wtime() - t0)
     return comm.allreduce(best, op=MPI.MAX)
 

@@ -84,6 +84,11 @@ class MPITransport:
         # True once all are complete.
         return MPI.Request.Testall(requests)
 
+    def finish(self):
+        """End of a phase. Every MPI transfer was waited for, so there is nothing to
+        check; a transport that runs asynchronously (NCCL) checks its transfers here, with
+        a timeout, and a shared window starts its fence."""
+
 
 class DeviceMPITransport(MPITransport):
     """Device buffers handed to a CUDA-aware MPI (``BURSTMPI_CUDA_AWARE_MPI=1``). MPI does
