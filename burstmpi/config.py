@@ -42,7 +42,8 @@ BURSTMPI_RANKS_PER_NODE 0           ``g``: consecutive blocks of g ranks form a 
                                     MPI's shared-memory split puts together
 BURSTMPI_INTERNODE_GBPS 0           a simulation aid: host transfers between nodes
                                     take at least bytes / (X GB/s) (MPI transport;
-                                    ``burstmpi.transport.slowlinks``); ``0`` = off
+                                    ``burstmpi.transport.slowlinks``; refused with
+                                    GPU arrays across nodes); ``0`` = off
 BURSTMPI_LINK_GBPS      (measured)  ``INTRA,INTER``: the links' GB/s (one way, per
                                     rank) inside a node and between nodes, for
                                     ``topology="auto"``'s choice; unset = measured

@@ -27,7 +27,7 @@ from .transport.comm import private_comm
 from .transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 from .transport.nodes import nodes
 from .transport.shm import NoRoom, transport_for
-from .transport.slowlinks import SlowLinksTransport
+from .transport.slowlinks import SlowLinksTransport, refuse_device_arrays
 from .validate import agree
 
 __all__ = ["Runtime", "kernel_ready"]
@@ -98,11 +98,15 @@ class Runtime:
             self.nodes = nodes(self.comm)
         if getattr(self.backend, "name", None) == kind:
             return
-        agree(self.comm, fn, None, [("runs on", kind)] + list(options))
+        # The slowed links' setting picks the host transport and is refused with GPU arrays:
+        # agreed on here for every caller (a plan, a KV cache).
+        agree(self.comm, fn, None, [("runs on", kind), ("BURSTMPI_INTERNODE_GBPS", settings().internode_gbps)]
+              + list(options))
         if kind == "cuda":
             if self.transport_name == "shm":  # the same on every rank: agreed on just above
                 raise ValueError(f"{fn}: transport: 'shm' shares host buffers; GPU arrays need 'auto', "
                                  "'nccl' or 'mpi'")
+            refuse_device_arrays(fn, self.nodes)  # the same on every rank (agreed on above)
             self._use_cuda(fn)
         elif self.backend is None or self.backend.name == "cuda":
             if self.backend is not None:  # back from the GPU: host buffers, the host transport

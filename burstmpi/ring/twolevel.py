@@ -54,7 +54,7 @@ import numpy as np
 from ..config import settings
 from ..transport.comm import Channel, split_once
 from ..transport.nodes import Nodes
-from ..transport.slowlinks import SlowLinksTransport
+from ..transport.slowlinks import SlowLinksTransport, refuse_device_arrays
 from .flat import (Timer, cut_runs, finish_forward, fwd_pieces, grouped_rows, key_operands, load_packet, nbytes,
                    packet_dims, packet_fields)
 from .stats import PhaseStats
@@ -71,10 +71,8 @@ RING_TRANSPORT = None
 def check_two_level(fn, nodes, kind):
     """Raise ValueError naming ``topology`` where these nodes (or arrays of ``kind``) cannot
     run two rings."""
-    if kind == "cuda" and settings().internode_gbps:
-        raise ValueError(f"{fn}: topology: BURSTMPI_INTERNODE_GBPS (--internode-gbps) slows host transfers "
-                         f"between fake nodes, a simulation aid for host arrays; got GPU arrays with it set to "
-                         f"{settings().internode_gbps:g}")
+    if kind == "cuda":
+        refuse_device_arrays(f"{fn}: topology", nodes)
     if not nodes.equal:
         raise ValueError(f"{fn}: topology: 'two-level' needs nodes of equal size, got {nodes.describe()} "
                          "(BURSTMPI_RANKS_PER_NODE sets the node size)")

@@ -21,13 +21,24 @@ import time
 
 from mpi4py import MPI
 
+from ..config import settings
 from .mpi import MPITransport, complete
 
-__all__ = ["SlowLinksTransport"]
+__all__ = ["SlowLinksTransport", "refuse_device_arrays"]
 
 # When this process's inbound network link has carried what it was given: one link per
 # rank (a process), shared by every transport of every plan and communicator of it.
 _link_free = [0.0]
+
+
+def refuse_device_arrays(where, nodes):
+    """Raise ValueError (its message starting with ``where``) when the setting is on across
+    nodes for GPU arrays: their transfers (NCCL, a CUDA-aware or staged MPI) never pass
+    through these slowed links, so a run would look like a cluster's while it is not."""
+    gbps = settings().internode_gbps
+    if gbps and nodes.count > 1:
+        raise ValueError(f"{where}: BURSTMPI_INTERNODE_GBPS (--internode-gbps) slows host transfers between "
+                         f"fake nodes, a simulation aid for host arrays; got GPU arrays with it set to {gbps:g}")
 
 
 class _Due:

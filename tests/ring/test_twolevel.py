@@ -7,6 +7,7 @@ combinations refused on every rank. Runs alone and under mpiexec (tests/test_mpi
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import burstmpi
 import kernel_harness as kh
@@ -304,6 +305,20 @@ def test_gpu_arrays_take_the_two_level_ring_but_not_slowed_links(monkeypatch):
     check_two_level("f", two, "numpy")
     with pytest.raises(ValueError, match=r"f: topology: BURSTMPI_INTERNODE_GBPS .* GPU arrays .* 2\.5"):
         check_two_level("f", two, "cuda")
+
+
+def test_gpu_arrays_refuse_slowed_links_on_the_flat_ring_too(monkeypatch):
+    """The flat ring's GPU transports (NCCL, MPI) never pass through the slowed links either:
+    a GPU call across (fake) nodes with the setting on is refused by name before any GPU set-up,
+    where it used to run at the machine's own speed; on one node the setting does nothing."""
+    from burstmpi.runtime import Runtime
+    from burstmpi.transport.nodes import Nodes
+
+    monkeypatch.setenv("BURSTMPI_INTERNODE_GBPS", "2.5")
+    rt = Runtime("f", MPI.COMM_SELF)
+    rt.nodes = Nodes([0, 0, 1, 1], 0)
+    with pytest.raises(ValueError, match=r"^f: BURSTMPI_INTERNODE_GBPS \(--internode-gbps\) .* GPU arrays .* 2\.5$"):
+        rt.begin("f", "cuda", ())
 
 
 def test_bad_topology_is_refused():
