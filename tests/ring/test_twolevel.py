@@ -309,10 +309,9 @@ def test_gpu_arrays_take_the_two_level_ring_but_not_slowed_links(monkeypatch):
 
 def test_gpu_arrays_refuse_slowed_links_on_the_flat_ring_too(monkeypatch):
     """The flat ring's GPU transports (NCCL, MPI) never pass through the slowed links either:
-    a GPU call across (fake) nodes with the setting on is refused by name before any GPU set-up,
-    where it used to run at the machine's own speed; on one node the setting does nothing."""
+    a GPU call across (fake) nodes with the setting on is refused by name before any GPU
+    set-up, where it used to run at the machine's own speed."""
     from burstmpi.runtime import Runtime
-    from burstmpi.transport.nodes import Nodes
 
     monkeypatch.setenv("BURSTMPI_INTERNODE_GBPS", "2.5")
     rt = Runtime("f", MPI.COMM_SELF)
