@@ -89,7 +89,9 @@ class BurstAttention:
         and Q/dO two ways with no gradient partial ("two-way", ``burstmpi.ring.twoway``; from 3
         ranks), or whichever moves fewer bytes for the call ("auto"; recorded in
         ``last_stats``; it considers "two-way" only on backends where that costs no extra
-        compute, i.e. the CUDA kernels). The forward takes the two-way ring by itself
+        compute, i.e. the CUDA kernels; with host arrays on one node, where bytes move
+        through memory, it takes the other one-way mode when that leaves the busiest rank at
+        least 2 % fewer pairs). The forward takes the two-way ring by itself
         whenever it moves fewer bytes (``last_stats.forward.direction`` is then 0).
     backend : {"auto", "numpy", "cuda"}
         "auto" follows the arrays' device: GPU arrays (CuPy, or any DLPack producer on a
@@ -159,6 +161,7 @@ class BurstAttention:
         self.kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``; burstmpi.heads)
         self._heads = HeadParallel(self, self.head_parallel) if self.head_parallel > 1 else None
         self._links, self._auto = {}, {}  # topology="auto": link speeds per kind of arrays, choices per shape
+        self._loads = {}  # bwd_comm="auto" on one node: the busiest rank's pairs per geometry (``_balanced``)
         self.last_stats = Stats()
 
     comm = _delegate("comm", "burstmpi's private duplicate of the plan's communicator.")
@@ -370,7 +373,8 @@ class BurstAttention:
         return twoway.two_way_bytes(needs, packet) < self.schedule("forward", dims, dtype).ring_bytes
 
     def choose_bwd_mode(self, dims, dtype):
-        """The backward mode a call with these dims and dtype uses: fewest bytes moved."""
+        """The backward mode a call with these dims and dtype uses: fewest bytes moved, or with
+        host arrays on one node the better balanced one-way mode (``_balanced``)."""
         if self.bwd_comm == "two-way" and self.nranks < 3:
             return "burst"  # both directions would reach the same neighbour
         if self.bwd_comm != "auto":
@@ -387,7 +391,35 @@ class BurstAttention:
             cost["two-way"] = (twoway.two_way_bytes(geo.needs("forward"), self._sizes("forward", dims, dtype)[0])
                                + twoway.two_way_bytes(geo.needs("burst"), self._sizes("burst", dims, dtype)[0]),
                                kv + qp)
-        return min(cost, key=lambda m: cost[m])  # dicts keep order: ties go to burst, ring
+        best = min(cost, key=lambda m: cost[m])  # dicts keep order: ties go to burst, ring
+        one_node = self.runtime.nodes.count == 1 and self.backend.name == "numpy"
+        return self._balanced(best) if best != "two-way" and one_node else best
+
+    def _balanced(self, fewest_bytes):
+        """The one-way backward for a call on host arrays with every rank on one node, given
+        the one that moves fewer bytes. There packets move through memory (or are read where
+        they lie: the "shm" transport), at a small cost next to the tiles', and the busiest
+        rank sets the pace: the other mode is taken when its busiest rank computes at least
+        2 % fewer pairs. Both transports choose alike, so they still give the same bits.
+
+        Masks can leave the ranks' keys much less evenly visible than their queries: at 16K
+        tokens on 4 ranks, zigzag, causal, the bench's ``blocks:0.3`` gives the busiest rank
+        9.4 % more pairs than the mean as keys ("burst") and 3.2 % as queries ("ring"), and
+        ``bigbird:2:3:6`` (global keys on rank 0) 68 % and 3 %. "ring"'s backward took 3177
+        ms against 3306 and 1553 against 1722 (alternating runs, ranks pinned as the bench
+        pins them: ``docs/performance.md``). Each rank counts its own two loads
+        (``Geometry.loads``); they are gathered once per geometry (a collective: every
+        rank's call gets here alike)."""
+        geo = self.geometry
+        seen = self._loads.get(id(geo))
+        if seen is None or seen[0] is not geo:
+            every = self.comm.allgather(geo.loads(self.rank))
+            if len(self._loads) >= 32:
+                self._loads.pop(next(iter(self._loads)))
+            seen = self._loads[id(geo)] = (geo, {"burst": max(b for b, _ in every), "ring": max(r for _, r in every)})
+        busiest = seen[1]
+        other = "ring" if fewest_bytes == "burst" else "burst"
+        return other if busiest[other] < 0.98 * busiest[fewest_bytes] else fewest_bytes
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens=None):
         """Gradients ``(dq, dk, dv)`` of this rank's q, k, v given ``dout``."""

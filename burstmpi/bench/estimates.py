@@ -40,16 +40,18 @@ def _ring_buffers(cfg, C, P, shm, gpu):
     partials (double-buffered over MPI; one packet and two partials in a shared window with
     ``shm``, where a rank also maps the packets of every peer it reads and its neighbour's
     partials: its resident set counts those pages too). ``bwd_comm="auto"`` takes the mode
-    that moves fewer bytes, as the plan does (two-way too on GPUs at 3+ ranks)."""
+    that moves fewer bytes on GPUs, as the plan does (two-way at 3+ ranks); with host arrays
+    the plan may take the other one-way mode for balance (on one node), so the larger counts."""
     B, Z, Zkv, d = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     item = _item(cfg)
     kv = (B * C * Zkv * 2 * d * item + 8 * C, B * C * Zkv * 2 * d * 4)  # (packet, partial)
     q = (B * C * Z * 2 * d * item + 2 * B * Z * C * 4, B * C * Z * d * 4)
     both = (max(kv[0], q[0]), max(kv[1], q[1]))
-    modes = {"burst": q, "ring": kv, "two-way": both}
+    modes = {"burst": q, "ring": kv, "two-way": both, "either one-way": both}
     mode = cfg["bwd_comm"]
-    if mode == "auto":
-        mode = "two-way" if gpu and P >= 3 else min(("burst", "ring"), key=lambda m: sum(modes[m]))
+    if mode == "auto":  # host arrays: either one-way mode may run (``BurstAttention._balanced``)
+        mode = ("either one-way" if not gpu else "two-way" if P >= 3
+                else min(("burst", "ring"), key=lambda m: sum(modes[m])))
     packet, partial = modes[mode]
     packet = max(packet, kv[0])  # the forward's K/V packets share the arena
     if P == 1:  # one rank reads its own K/V where they are, and sends nothing

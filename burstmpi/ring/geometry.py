@@ -62,6 +62,13 @@ class Geometry:
             self._pairs[(qrank, krank)] = n
         return n
 
+    def loads(self, rank):
+        """(as keys, as queries): the visible pairs ``rank`` computes in a backward whose
+        queries travel ("burst": its keys against every rank's queries) and in one whose keys
+        travel ("ring", and the forward: its queries against every rank's keys)."""
+        P = self.layout.nranks
+        return sum(self.pairs(o, rank) for o in range(P)), sum(self.pairs(rank, o) for o in range(P))
+
     def needs(self, mode):
         """needs[holder, owner]: does the holder compute with the owner's packet?
 

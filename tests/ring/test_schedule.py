@@ -138,3 +138,37 @@ def test_interaction_matrix_is_where_pairs_are_visible(layout, causal, window, d
     cu = np.array([0, 1, 1, 40, 41, 150, 151, 152, N]) if docs else None
     lay, mask = Layout(layout, P, N, cu), Mask(Bounds(causal, window), N, cu)
     np.testing.assert_array_equal(interaction_matrix(lay, mask), pair_matrix(lay, mask) > 0)
+
+
+@pytest.mark.skipif(NRANKS < 2, reason="one rank moves nothing")
+def test_auto_backward_balances_the_ranks_on_one_node(monkeypatch):
+    """The first rank's queries see every key, the others' only their own block: as
+    queries that rank computes far more pairs than any rank does as keys. With four query
+    heads per K/V head "ring" moves fewer bytes, and across nodes (here a node per rank)
+    "auto" takes it; on one node, where bytes move through memory, it takes "burst", whose
+    busiest rank is the lighter, over either transport (the same bits), and the gradients
+    agree with the other mode's."""
+    C, bs, Z, Zkv, d = 16, 8, 4, 1, 16
+    N, nb = C * NRANKS, C * NRANKS // bs
+    bi, bj = np.indices((nb, nb))
+    blocks = (bi < C // bs) | (bi == bj)
+    mask = burstmpi.masks.BlockSparse(blocks, bs)
+    visible = np.kron(blocks, np.ones((bs, bs), bool))  # the loads from the mask's definition
+    as_queries = [int(visible[r * C:(r + 1) * C].sum()) for r in range(NRANKS)]
+    as_keys = [int(visible[:, r * C:(r + 1) * C].sum()) for r in range(NRANKS)]
+    assert max(as_keys) < 0.98 * max(as_queries)
+    q, k, v, do = [burstmpi.shard(x) for x in ref.random_problem(1, N, Z, Zkv, d, seed=3)]
+
+    def run(transport):
+        plan = burstmpi.BurstAttention(mask=mask, transport=transport)
+        out, lse = plan.forward(q, k, v)
+        grads = plan.backward(do, q, k, v, out, lse)
+        return plan.last_stats.bwd_mode, grads
+
+    (shm_mode, shm), (mpi_mode, mpi) = run("shm"), run("mpi")
+    monkeypatch.setenv("BURSTMPI_RANKS_PER_NODE", "1")
+    apart_mode, apart = run("mpi")
+    assert (shm_mode, mpi_mode, apart_mode) == ("burst", "burst", "ring")
+    for a, b, c in zip(shm, mpi, apart):
+        assert np.array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
