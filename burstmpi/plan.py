@@ -411,13 +411,12 @@ class BurstAttention:
         (``Geometry.loads``); they are gathered once per geometry (a collective: every
         rank's call gets here alike)."""
         geo = self.geometry
-        seen = self._loads.get(id(geo))
-        if seen is None or seen[0] is not geo:
+        busiest = self._loads.get(geo)  # keyed by the object itself (identity): it stays alive
+        if busiest is None:
             every = self.comm.allgather(geo.loads(self.rank))
             if len(self._loads) >= 32:
                 self._loads.pop(next(iter(self._loads)))
-            seen = self._loads[id(geo)] = (geo, {"burst": max(b for b, _ in every), "ring": max(r for _, r in every)})
-        busiest = seen[1]
+            busiest = self._loads[geo] = {"burst": max(b for b, _ in every), "ring": max(r for _, r in every)}
         other = "ring" if fewest_bytes == "burst" else "burst"
         return other if busiest[other] < 0.98 * busiest[fewest_bytes] else fewest_bytes
 
