@@ -25,6 +25,7 @@ SUITE = ["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "a
          "ring/test_twoway.py", "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py",
          "ring/test_twolevel.py", "masks/test_masks.py", "transport/test_shm.py",
          "backends/test_kernel_backend.py", "backends/test_cpu_kernels.py", "backends/test_cpu_packed.py",
+         "backends/test_tile_runs.py",
          "backends/test_workspace.py", "gpu/test_gpu_runtime.py", "decode/test_decode.py", "decode/test_decode_kernels.py",
          "bench/test_bench.py", "bench/test_bench_masks.py"]
 # 2, 3 (odd) and 4 run the whole suite; 8 (4 ranks a core on this CI) runs what depends on

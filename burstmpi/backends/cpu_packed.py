@@ -26,6 +26,9 @@ read in place by the same kernel: 6.2 / 6.6 against 7.0 / 7.6 ns a pair at 512 x
 transposed once for dK and dV) measured no faster than sgemm's and was not kept (commit
 f380212 has it).
 
+``fwd_rows`` runs several query tiles in one call (``tile_plan.flatten``), as
+``cpu_tiles.bwd_rows`` does and for the same reason: the Python around each call.
+
 Keys need not start at a multiple of ``MR``: a tile from column c0 starts at the panel
 holding c0 and ignores the rows before it (``c0 % MR``) and past its end. Per query panel
 only the key panels some query of it sees are computed (a causal diagonal tile costs
@@ -47,7 +50,7 @@ from . import cpu_kernels, cpu_micro, jit_cache
 from .cpu_kernels import _FM, _fmax, fexp, wide_vectors
 from .cpu_micro import LANES, MR, NR, available, exp_sweep as _exp_sweep, micro_add as _micro_add, micro_set as _micro_set
 
-__all__ = ["LANES", "MR", "NR", "available", "packed_shape", "pack", "pack_k", "pack_v", "fwd_row", "warm", "describe"]
+__all__ = ["LANES", "MR", "NR", "available", "packed_shape", "pack", "pack_k", "pack_v", "fwd_row", "fwd_rows", "warm", "describe"]
 
 _F = np.float32
 _ZERO, _NEG = _F(0.0), _F(-np.inf)
@@ -160,6 +163,23 @@ def _softmax(pt, a, b, wa, wb, jlo, jhi, m, l, alpha, mx, sh, tot):
 @njit(nogil=True, fastmath=_FM, cache=True)
 def _fwd_row(q, kp, vp, c0, c1, iv, lo, hi, g, scale, acc, m, l):
     wide_vectors()
+    _fwd_tiles(q, kp, vp, c0, c1, iv, lo, hi, g, scale, acc, m, l)
+
+
+@njit(nogil=True, fastmath=_FM, cache=True)
+def _fwd_rows(q, kp, vp, rows, first, c0, c1, iv, lo, hi, g, scale, acc, m, l):
+    wide_vectors()
+    for i in range(rows.shape[0]):
+        a, b = rows[i, 0] * g, rows[i, 1] * g  # the tile's rows
+        t0, t1 = first[i], first[i + 1]
+        ntok = rows[i, 1] - rows[i, 0]
+        _fwd_tiles(q[a:b], kp, vp, c0[t0:t1], c1[t0:t1], iv[t0:t1], lo[:, :ntok], hi[:, :ntok], g, scale, acc[a:b],
+                   m[a:b], l[a:b])
+
+
+@njit(inline="always", fastmath=_FM, cache=True)
+def _fwd_tiles(q, kp, vp, c0, c1, iv, lo, hi, g, scale, acc, m, l):
+    """One query tile over its key tiles (``fwd_row``)."""
     n, d = q.shape
     dv = acc.shape[1]
     ck = vp.shape[1]
@@ -233,6 +253,12 @@ def fwd_row(q, kp, vp, c0, c1, iv, lo, hi, g, scale, acc, m, l):
     _fwd_row(q, kp, vp, c0, c1, iv, lo, hi, g, _F(scale), acc, m, l)
 
 
+def fwd_rows(q, kp, vp, rows, g, scale, acc, m, l):
+    """``fwd_row`` for a run of query tiles in one call (``tile_plan.flatten``'s ``rows``):
+    ``q``, ``acc``, ``m`` and ``l`` hold the run's rows, from its first tile's."""
+    _fwd_rows(q, kp, vp, *rows, g, _F(scale), acc, m, l)
+
+
 def packed_shape(kind, rows, cols):
     """The shape ``pack(kind, x, out)`` packs a (rows, cols) ``x`` into."""
     return (-(-rows // MR), cols, MR) if kind == "k" else (-(-cols // MR), rows, MR)
@@ -252,10 +278,12 @@ def _array(dtype, ndim, layout="A", readonly=False):
 _IN2, _OUT1, _OUT2 = _array(types.float32, 2, readonly=True), _array(types.float32, 1), _array(types.float32, 2)
 _PACKED, _PACKED_IN = _array(types.float32, 3, "C"), _array(types.float32, 3, "C", readonly=True)
 _TILES = (_array(types.int64, 1, readonly=True),) * 3 + (_array(types.int64, 2, readonly=True),) * 2 + (types.int64,)
+_RUN = (_array(types.int64, 2, readonly=True), _array(types.int64, 1, readonly=True))  # span, first
 _SIGNATURES = {
     pack_k: (_IN2, _PACKED),
     pack_v: (_IN2, _PACKED),
     _fwd_row: (_IN2, _PACKED_IN, _PACKED_IN) + _TILES + (types.float32, _OUT2, _OUT1, _OUT1),
+    _fwd_rows: (_IN2, _PACKED_IN, _PACKED_IN) + _RUN + _TILES + (types.float32, _OUT2, _OUT1, _OUT1),
 }
 # The micro-kernel's IR (cpu_micro) and cpu_kernels' exp are compiled in: cached code
 # older than any of the three files is flushed (``jit_cache``).

@@ -19,12 +19,14 @@ query tile), since BLAS has no fast half-precision GEMM. The running softmax sta
 (acc, m, l) is unnormalised and lives across ring steps, so each step's block merges into
 it inside the tile loop exactly as FlashAttention-2 merges one K tile into the next.
 
-A query tile's loop over its key tiles is ``self.ops``'s ``fwd_row`` / ``bwd_row``:
+A query tile's loop over its key tiles is ``self.ops``'s ``fwd_row`` (``bwd_rows`` runs
+the loops of several query tiles in one call):
 compiled with numba in ``cpu_tiles`` (BLAS's sgemm called from machine code, fused
 elementwise sweeps between the GEMMs) or in NumPy in ``tile_ops``
 (``BURSTMPI_CPU_KERNELS``). The float32 forward runs on ``cpu_packed`` instead where the
 CPU has its micro-kernel and a block's keys meet enough query rows to pay for packing K
-and V once (``BURSTMPI_CPU_GEMM``). ``tile_plan`` plans the tiles; this module converts
+and V once (``BURSTMPI_CPU_GEMM``). ``tile_plan`` plans the tiles (and keeps the plans
+from call to call); this module converts
 and packs the blocks and hands the tiles out. Work items (a
 query tile of one batch and KV head, or in the backward a band of them; for the sweeps
 over whole blocks, zeroing and writing results out, a range of tokens) run on
@@ -37,11 +39,16 @@ import numpy as np
 from ..config import settings
 from ..validate import check_out
 from . import numpy_decode, tile_ops
-from .tile_plan import bands as _bands, tile_plan
+from .tile_plan import TilePlans, bands as _bands, flatten
 from .threads import Workers
 from .workspace import OutputPool, Workspace
 
 __all__ = ["NumpyBackend"]
+
+# Query tiles per call of the one-threaded backward's loops: the Python around each call
+# (views, checks, numba's dispatch) is ~50 us, and ``poll`` moves the transfers between
+# calls, every few milliseconds.
+_ROWS_PER_CALL = 8
 
 
 def _rows_contiguous(x):
@@ -120,6 +127,7 @@ class NumpyBackend:
         # results' storage, recycled once the caller drops them (``workspace``'s docstring
         # says why); the workers keep their tile scratch.
         self.workspace, self.outputs = Workspace(), OutputPool()
+        self.plans = TilePlans(tile_q, tile_k)
 
     @property
     def threads(self):
@@ -136,6 +144,7 @@ class NumpyBackend:
         next call)."""
         self.workspace.clear()
         self.outputs.clear()
+        self.plans.clear()
         for s in self.workers.scratch:
             s.clear()
 
@@ -205,25 +214,8 @@ class NumpyBackend:
         return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
     def _plan(self, g, qb, kb, blocks=None):
-        tq, tk = max(1, self.tile_q // g), self.tile_k
-        # A narrow band of visible keys (a sliding window, or short documents) leaves most
-        # of a large tile masked away: shrink the tiles towards half the widest query's
-        # visible span. The query tiles only where the band slides along the rows: a few
-        # columns every row sees (attention sinks) keep tall tiles (a row of small items
-        # costs more in overhead than its GEMMs).
-        width = int((qb.last - qb.first).max(initial=0)) + 1
-        if width < 2 * tk:
-            t = max(64, 1 << int(width // 2).bit_length())
-            n = len(qb.first)
-            slides = n > 1 and 2 * int(qb.first[-1] - qb.first[0]) >= n - 1
-            tq, tk = (min(tq, max(1, t // g)) if slides else tq), min(tk, t)
-        # A few keys (the sinks, seen from a rank past the window's reach) would make each
-        # query tile a tiny item whose fixed costs outweigh its GEMMs: the query tiles grow
-        # as the key side narrows, up to 16 times (the score scratch, rows x keys, stays
-        # within a full tile's; the scaled queries' scratch grows with the rows).
-        if 0 < len(kb.pos) < self.tile_k:
-            tq *= min(16, self.tile_k // len(kb.pos))
-        return tile_plan(qb, kb, tq, tk, blocks)
+        """The tile plan of a block pair (``TilePlans``), kept for the next call."""
+        return self.plans.get(g, qb, kb, blocks)[0]
 
     # -- forward ----------------------------------------------------------------------
 
@@ -287,17 +279,20 @@ class NumpyBackend:
 
         ``qb``, ``kb``: the ``masks.intervals.Block`` of the query and key rows; ``blocks``:
         a block-sparse mask's ``masks.blocks.BlockFilter`` on top of them. One work item is a
-        query tile of one (batch, KV head) against every key tile it sees, on the workers;
-        ``poll`` runs meanwhile."""
+        query tile of one (batch, KV head) against every key tile it sees, on the workers
+        (``_fwd_runs``: a few of them on one thread); ``poll`` runs meanwhile."""
         acc, m, l = state
         B, Zkv, C, g, d = q.shape
         cd = acc.dtype
         ops = self._ops_for(cd)
-        plan = self._plan(g, qb, kb, blocks)
+        plan, runs = self.plans.get(g, qb, kb, blocks)
         width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
         packed = self._pack(k, v, plan, g, cd)
         if packed is None:
             k, v = self._blocks(k, v, cd)
+        elif self.workers.n == 1 and plan:
+            self._fwd_runs(q, packed, (acc, m, l), plan, runs, scale, poll)
+            return
 
         def item(it, scratch):
             b, z, r0, r1, tiles = it
@@ -317,6 +312,25 @@ class NumpyBackend:
         plan = sorted(plan, key=lambda row: -len(row[2][0]))
         items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in plan]
         self.workers.run(items, item, poll)
+
+    def _fwd_runs(self, q, packed, state, plan, runs, scale, poll):
+        """``fwd_block`` on one thread on the packed micro-kernel: a few query tiles per call
+        (``_ROWS_PER_CALL``, in the plan's order, as the backward runs them), so that the
+        Python around each call is paid once for several tiles."""
+        B, Zkv, C, g, d = q.shape
+        bands = runs.get("fwd")
+        if bands is None:
+            bands = runs["fwd"] = [flatten(plan[i:i + _ROWS_PER_CALL]) for i in range(0, len(plan), _ROWS_PER_CALL)]
+
+        def item(it, scratch):
+            b, z, i = it
+            t0, t1, tiles = bands[i]
+            n = (t1 - t0) * g
+            rows = self._rows(q[b, z, t0:t1].reshape(n, d), state[0].dtype, scratch, "q")
+            self.packed.fwd_rows(rows, packed[0][b, z], packed[1][b, z], tiles, g, scale,
+                                 *(_tile_rows(x, b, z, t0, t1) for x in state))
+
+        self.workers.run([(b, z, i) for b in range(B) for z in range(Zkv) for i in range(len(bands))], item, poll)
 
     def _pack(self, k, v, plan, g, cd):
         """(kp, vp): the block's K and V packed for ``cpu_packed`` (a (batch, KV head) slab per
@@ -399,11 +413,11 @@ class NumpyBackend:
         ``dk=dv=None`` computes only the other side's gradients (the two-way ring).
 
         A work item is a band of query tiles of one (batch, KV head) against every key
-        tile they see: it owns its rows of ``dq``, and adds into ``dk``/``dv`` directly
-        when it is its head's only band; with fewer heads than twice the workers, a head
-        is cut into bands whose ``dk``/``dv`` partials are added afterwards in band order.
-        On one thread an item is a single query tile, in the same order, so that ``poll``
-        runs between tiles.
+        tile they see, run in one call of the tile loops (``bwd_rows``): it owns its rows of
+        ``dq``, and adds into ``dk``/``dv`` directly when it is its head's only band; with
+        fewer heads than twice the workers, a head is cut into bands whose ``dk``/``dv``
+        partials are added afterwards in band order. On one thread a band is a few query
+        tiles (``_ROWS_PER_CALL``), in the same order, so that ``poll`` runs between them.
         """
         B, Zkv, C, g, d = q.shape
         dvd = v.shape[-1]
@@ -411,45 +425,46 @@ class NumpyBackend:
         ops = self._ops_for(cd)
         k, v = self._blocks(k, v, cd)
         Ck = k.shape[2]
-        plan = self._plan(g, qb, kb, blocks)
-        width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
-        count = -(-2 * self.workers.n // (B * Zkv)) if self.workers.n > 1 else 1
-        bands = _bands(plan, count)
-        split = dk is not None and len(bands) > 1
+        plan, runs = self.plans.get(g, qb, kb, blocks)
+        if not plan:
+            return
+        width = max(int((t[1] - t[0]).max()) for _, _, t in plan)
+        tall = max(r1 - r0 for r0, r1, _ in plan) * g
+        if self.workers.n > 1:
+            count = -(-2 * self.workers.n // (B * Zkv))
+        else:
+            count = -(-len(plan) // _ROWS_PER_CALL)
+        bands = runs.get(("bwd", count))
+        if bands is None:
+            bands = runs[("bwd", count)] = [flatten(band) for band in _bands(plan, count) if band]
+        split = dk is not None and self.workers.n > 1 and len(bands) > 1
         if split:  # each band's own dK/dV partial, added in band order afterwards
             dk_parts = self.workspace.array("dk_parts", (B, Zkv, len(bands), Ck, d), cd, 0)
             dv_parts = self.workspace.array("dv_parts", (B, Zkv, len(bands), Ck, dvd), cd, 0)
 
         def item(it, scratch):
-            b, z, i, band = it
+            b, z, i = it
+            t0, t1, rows = bands[i]
             if dk is None:
                 dk_h = dv_h = None
             elif split:
                 dk_h, dv_h = dk_parts[b, z, i], dv_parts[b, z, i]
             else:
                 dk_h, dv_h = dk[b, z], dv[b, z]
-            for r0, r1, tiles in band:
-                n = (r1 - r0) * g
-                ops.bwd_row(self._rows(q[b, z, r0:r1].reshape(n, d), cd, scratch, "q"),
-                            self._rows(do[b, z, r0:r1].reshape(n, dvd), cd, scratch, "do", copy=True),
-                            D[b, z, r0:r1].reshape(n).astype(cd, copy=False),
-                            lse[b, z, r0:r1].reshape(n).astype(cd, copy=False),
-                            k[b, z], v[b, z], *tiles, g, scale,
-                            None if dq is None else _tile_rows(dq, b, z, r0, r1), dk_h, dv_h,
-                            scratch.array("qs", (n * d,), cd), scratch.array("p", (n * width,), cd),
-                            scratch.array("ds", (n * width,), cd))
+            n = (t1 - t0) * g
+            ops.bwd_rows(self._rows(q[b, z, t0:t1].reshape(n, d), cd, scratch, "q"),
+                         self._rows(do[b, z, t0:t1].reshape(n, dvd), cd, scratch, "do", copy=True),
+                         D[b, z, t0:t1].reshape(n).astype(cd, copy=False),
+                         lse[b, z, t0:t1].reshape(n).astype(cd, copy=False),
+                         k[b, z], v[b, z], rows, g, scale,
+                         None if dq is None else _tile_rows(dq, b, z, t0, t1), dk_h, dv_h,
+                         scratch.array("qs", (tall * d,), cd), scratch.array("p", (tall * width,), cd),
+                         scratch.array("ds", (tall * width,), cd))
 
-        if self.workers.n == 1:
-            # One thread runs a head's rows in order either way; a row per item lets
-            # ``poll`` move the transfers between rows, not once per head.
-            items = [(b, z, 0, [row]) for b in range(B) for z in range(Zkv) for row in plan]
-        else:
-            items = [(b, z, i, band) for b in range(B) for z in range(Zkv) for i, band in enumerate(bands) if band]
-        self.workers.run(items, item, poll)
+        self.workers.run([(b, z, i) for b in range(B) for z in range(Zkv) for i in range(len(bands))], item, poll)
         if split:
             for b in range(B):
                 for z in range(Zkv):
-                    for i, band in enumerate(bands):  # band order: deterministic
-                        if band:
-                            dk[b, z] += dk_parts[b, z, i]
-                            dv[b, z] += dv_parts[b, z, i]
+                    for i in range(len(bands)):  # band order: deterministic
+                        dk[b, z] += dk_parts[b, z, i]
+                        dv[b, z] += dv_parts[b, z, i]

@@ -9,8 +9,8 @@ accumulator itself and lets sgemm add P @ V. ``NumpyBackend`` runs these loops o
 compiled ones (``BURSTMPI_CPU_KERNELS`` in ``burstmpi.config``).
 
 ``fwd_row`` and ``bwd_row`` are a query tile's loop over its key tiles, with
-``np.matmul`` for the GEMMs; ``cpu_tiles`` has them compiled, with the same signatures
-(documented there). Any float dtype: float64 inputs, the reference precision, always run
+``np.matmul`` for the GEMMs, and ``bwd_rows`` a run of query tiles; ``cpu_tiles`` has them
+compiled, with the same signatures (documented there). Any float dtype: float64 inputs, the reference precision, always run
 here.
 
 ``online_update`` (scores already masked with -inf) is the decode's merge
@@ -19,7 +19,7 @@ here.
 
 import numpy as np
 
-__all__ = ["fwd_row", "bwd_row", "online_update", "softmax_update", "rescale_add", "probs", "dsoftmax", "widen"]
+__all__ = ["fwd_row", "bwd_row", "bwd_rows", "online_update", "softmax_update", "rescale_add", "probs", "dsoftmax", "widen"]
 
 name = "numpy"  # what the bench and the stats call this set of operations
 
@@ -133,3 +133,13 @@ def bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, qbuf,
             dq += dst @ k[a:b]
         if dk is not None:
             dk[a:b] += dst.T @ qs
+
+
+def bwd_rows(q, do, D, lse, k, v, rows, g, scale, dq, dk, dv, qbuf, p, ds):
+    """``bwd_row`` over a run of query tiles (``tile_plan.flatten``): ``q``, ``do``, ``D``,
+    ``lse`` and ``dq`` hold the run's rows, from its first tile's."""
+    span, first, c0, c1, iv, lo, hi = rows
+    for i, (a, b) in enumerate(span):
+        rs, ts = slice(a * g, b * g), slice(first[i], first[i + 1])
+        bwd_row(q[rs], do[rs], D[rs], lse[rs], k, v, c0[ts], c1[ts], iv[ts], lo[:, :b - a], hi[:, :b - a], g, scale,
+                None if dq is None else dq[rs], dk, dv, qbuf, p, ds)

@@ -4,15 +4,19 @@
 changes, classifies every (query tile, key tile) pair as empty, whole or partly visible
 (``masks.intervals``, and a block-sparse mask's ``BlockFilter``), and lists per query tile
 the key tiles it sees, as the tile loops take them (``tile_ops.fwd_row``). ``bands`` cuts
-such a plan into bands of about equal work for the backward's work items. Planning costs
-O(tiles), never O(pairs).
+such a plan into bands of about equal work for the backward's work items, and ``flatten``
+lays a band's rows end to end for a loop that runs them in one call. ``TilePlans`` sizes
+the tiles for a block pair and keeps its plan for the next call. Planning costs O(tiles),
+never O(pairs).
 """
+
+from collections import OrderedDict
 
 import numpy as np
 
 from ..masks.intervals import EMPTY, PARTIAL, classify_tiles
 
-__all__ = ["tile_plan", "bands"]
+__all__ = ["TilePlans", "tile_plan", "bands", "flatten"]
 
 
 def _tiles(block, size, merge=True):
@@ -127,3 +131,76 @@ def bands(plan, count):
     cuts = np.searchsorted(work, work[-1] * np.arange(1, count) / count, "left") + 1
     bounds = [0] + sorted(set(int(c) for c in cuts if 0 < c < len(plan))) + [len(plan)]
     return [plan[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def flatten(rows):
+    """A run of a plan's rows (in increasing query order) as one call of the tile loops
+    takes it (``cpu_tiles.bwd_rows``): (t0, t1, arrays), the run's query tokens t0..t1-1 and
+    arrays = (span, first, c0, c1, iv, lo, hi): row i is tokens span[i] (from t0) against
+    the key tiles first[i]..first[i + 1] - 1 of (c0, c1, iv), whose partly visible ones
+    index (lo, hi), each row's runs padded to the run's widest tile."""
+    t0, t1 = rows[0][0], rows[-1][1]
+    span = np.array([(r0 - t0, r1 - t0) for r0, r1, _ in rows], np.int64).reshape(-1, 2)
+    first = np.r_[0, np.cumsum([len(tiles[0]) for _, _, tiles in rows])].astype(np.int64)
+    width = int((span[:, 1] - span[:, 0]).max())
+    parts = [tiles[3].shape[0] for _, _, tiles in rows]
+    lo, hi = np.zeros((sum(parts), width), np.int64), np.zeros((sum(parts), width), np.int64)
+    ivs, at = [], 0
+    for (r0, r1, (_, _, iv, rlo, rhi)), n in zip(rows, parts):
+        lo[at:at + n, :r1 - r0], hi[at:at + n, :r1 - r0] = rlo, rhi
+        ivs.append(np.where(iv >= 0, iv + at, -1))
+        at += n
+    c0, c1 = (np.concatenate([tiles[i] for _, _, tiles in rows]).astype(np.int64) for i in (0, 1))
+    return t0, t1, (span, first, c0, c1, np.concatenate(ivs).astype(np.int64), lo, hi)
+
+
+class TilePlans:
+    """A backend's tile plans, sized for each block pair from its tiles of ``tile_q`` query
+    rows by ``tile_k`` keys, and kept from call to call (the last ``kept``).
+
+    A plan's ``Geometry`` (``burstmpi.ring.geometry``, cached per call shape) hands out the
+    same ``Block`` and ``BlockFilter`` objects for the same block pair every call, so their
+    ids key a plan; the entry holds the objects, so the ids stay theirs while it lives.
+    Planning a step took ~1 ms a piece at 16K tokens over 4 ranks, 8 heads, a block-sparse
+    mask (2026-12-04)."""
+
+    def __init__(self, tile_q, tile_k, kept=256):
+        self.tile_q, self.tile_k, self.kept = tile_q, tile_k, kept
+        self._plans = OrderedDict()
+
+    def clear(self):
+        self._plans.clear()
+
+    def get(self, g, qb, kb, blocks=None):
+        """(plan, runs) of a block pair (``tile_plan``'s rows), ``runs`` a dict in which the
+        caller keeps what it derives from the plan (``flatten``'s runs)."""
+        key = (id(qb), id(kb), id(blocks), g)
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = self._plans[key] = (qb, kb, blocks, self._plan(g, qb, kb, blocks), {})
+            if len(self._plans) > self.kept:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return hit[3], hit[4]
+
+    def _plan(self, g, qb, kb, blocks):
+        tq, tk = max(1, self.tile_q // g), self.tile_k
+        # A narrow band of visible keys (a sliding window, or short documents) leaves most
+        # of a large tile masked away: shrink the tiles towards half the widest query's
+        # visible span. The query tiles only where the band slides along the rows: a few
+        # columns every row sees (attention sinks) keep tall tiles (a row of small items
+        # costs more in overhead than its GEMMs).
+        width = int((qb.last - qb.first).max(initial=0)) + 1
+        if width < 2 * tk:
+            t = max(64, 1 << int(width // 2).bit_length())
+            n = len(qb.first)
+            slides = n > 1 and 2 * int(qb.first[-1] - qb.first[0]) >= n - 1
+            tq, tk = (min(tq, max(1, t // g)) if slides else tq), min(tk, t)
+        # A few keys (the sinks, seen from a rank past the window's reach) would make each
+        # query tile a tiny item whose fixed costs outweigh its GEMMs: the query tiles grow
+        # as the key side narrows, up to 16 times (the score scratch, rows x keys, stays
+        # within a full tile's; the scaled queries' scratch grows with the rows).
+        if 0 < len(kb.pos) < self.tile_k:
+            tq *= min(16, self.tile_k // len(kb.pos))
+        return tile_plan(qb, kb, tq, tk, blocks)
