@@ -31,7 +31,7 @@ def _row(ntok, ck):
     return c0, c1, iv, lo, hi
 
 
-def _plan(g, ck):
+def _plan(ck):
     """Three query tiles of 5, 4 and 3 tokens, with a gap of 3 tokens no tile covers."""
     return [(r0, r1, _row(r1 - r0, ck)) for r0, r1 in ((0, 5), (5, 9), (12, 15))]
 
@@ -40,7 +40,7 @@ def _problem(g, d=24, dv=20, ck=70):
     n = 15 * g
     q, do = (RNG.standard_normal((n, x)).astype(np.float32) for x in (d, dv))
     k, v = (RNG.standard_normal((ck, x)).astype(np.float32) for x in (d, dv))
-    return q, do, k, v, _plan(g, ck)
+    return q, do, k, v, _plan(ck)
 
 
 @pytest.mark.parametrize("g", [1, 3])
