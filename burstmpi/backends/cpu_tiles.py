@@ -246,22 +246,25 @@ def fwd_row(q, k, v, c0, c1, iv, lo, hi, g, scale, acc, m, l, qs, s, alpha):
     _fwd_row(q, k, v, c0, c1, iv, lo, hi, g, np.float32(scale), acc, m, l, qs, s, alpha)
 
 
-def bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, qs, p, ds):
-    """One query tile's gradients over its key tiles, added into dq, dk, dv (None: skipped)."""
+def _bwd_operands(q, do, D, lse, k, v, dq, dk, dv):
+    """The backward's operands as the compiled loops take them; a skipped side's gradients
+    (None) as empty arrays."""
     empty = np.empty((0, 0), np.float32)
     dq, dk, dv = (empty if x is None else x for x in (dq, dk, dv))
-    q, do, D, lse, k, v, dq, dk, dv = _operands("q do D lse k v dq dk dv".split(), (q, do, D, lse, k, v, dq, dk, dv),
-                                                ("q", "do", "D", "lse", "k", "v"))
+    return _operands("q do D lse k v dq dk dv".split(), (q, do, D, lse, k, v, dq, dk, dv),
+                     ("q", "do", "D", "lse", "k", "v"))
+
+
+def bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, scale, dq, dk, dv, qs, p, ds):
+    """One query tile's gradients over its key tiles, added into dq, dk, dv (None: skipped)."""
+    q, do, D, lse, k, v, dq, dk, dv = _bwd_operands(q, do, D, lse, k, v, dq, dk, dv)
     _bwd_row(q, do, D, lse, k, v, c0, c1, iv, lo, hi, g, np.float32(scale), dq, dk, dv, qs, p, ds)
 
 
 def bwd_rows(q, do, D, lse, k, v, rows, g, scale, dq, dk, dv, qs, p, ds):
     """``bwd_row`` for a run of query tiles in one call (``tile_plan.flatten``'s ``rows``):
     ``q``, ``do``, ``D``, ``lse`` and ``dq`` hold the run's rows, from its first tile's."""
-    empty = np.empty((0, 0), np.float32)
-    dq, dk, dv = (empty if x is None else x for x in (dq, dk, dv))
-    q, do, D, lse, k, v, dq, dk, dv = _operands("q do D lse k v dq dk dv".split(), (q, do, D, lse, k, v, dq, dk, dv),
-                                                ("q", "do", "D", "lse", "k", "v"))
+    q, do, D, lse, k, v, dq, dk, dv = _bwd_operands(q, do, D, lse, k, v, dq, dk, dv)
     _bwd_rows(q, do, D, lse, k, v, *rows, g, np.float32(scale), dq, dk, dv, qs, p, ds)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from ..config import settings
 from ..validate import check_out
 from . import numpy_decode, tile_ops
-from .tile_plan import TilePlans, bands as _bands, flatten
+from .tile_plan import TilePlans, runs as _runs
 from .threads import Workers
 from .workspace import OutputPool, Workspace
 
@@ -286,14 +286,14 @@ class NumpyBackend:
         B, Zkv, C, g, d = q.shape
         cd = acc.dtype
         ops = self._ops_for(cd)
-        plan, runs = self.plans.get(g, qb, kb, blocks)
-        width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
+        plan, kept = self.plans.get(g, qb, kb, blocks)
         packed = self._pack(k, v, plan, g, cd)
         if packed is None:
             k, v = self._blocks(k, v, cd)
         elif self.workers.n == 1 and plan:
-            self._fwd_runs(q, packed, (acc, m, l), plan, runs, scale, poll)
+            self._fwd_runs(q, packed, (acc, m, l), _runs(plan, -(-len(plan) // _ROWS_PER_CALL), kept), scale, poll)
             return
+        width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
 
         def item(it, scratch):
             b, z, r0, r1, tiles = it
@@ -314,14 +314,11 @@ class NumpyBackend:
         items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in plan]
         self.workers.run(items, item, poll)
 
-    def _fwd_runs(self, q, packed, state, plan, runs, scale, poll):
+    def _fwd_runs(self, q, packed, state, bands, scale, poll):
         """``fwd_block`` on one thread on the packed micro-kernel: a few query tiles per call
-        (``_ROWS_PER_CALL``, in the plan's order, as the backward runs them), so that the
-        Python around each call is paid once for several tiles."""
+        (``_ROWS_PER_CALL``, in the plan's order, the backward's runs), so that the Python
+        around each call is paid once for several tiles."""
         B, Zkv, C, g, d = q.shape
-        bands = runs.get("fwd")
-        if bands is None:
-            bands = runs["fwd"] = [flatten(plan[i:i + _ROWS_PER_CALL]) for i in range(0, len(plan), _ROWS_PER_CALL)]
 
         def item(it, scratch):
             b, z, i = it
@@ -426,7 +423,7 @@ class NumpyBackend:
         ops = self._ops_for(cd)
         k, v = self._blocks(k, v, cd)
         Ck = k.shape[2]
-        plan, runs = self.plans.get(g, qb, kb, blocks)
+        plan, kept = self.plans.get(g, qb, kb, blocks)
         if not plan:
             return
         width = max(int((t[1] - t[0]).max()) for _, _, t in plan)
@@ -435,9 +432,7 @@ class NumpyBackend:
             count = -(-2 * self.workers.n // (B * Zkv))
         else:
             count = -(-len(plan) // _ROWS_PER_CALL)
-        bands = runs.get(("bwd", count))
-        if bands is None:
-            bands = runs[("bwd", count)] = [flatten(band) for band in _bands(plan, count) if band]
+        bands = _runs(plan, count, kept)
         split = dk is not None and self.workers.n > 1 and len(bands) > 1
         if split:  # each band's own dK/dV partial, added in band order afterwards
             dk_parts = self.workspace.array("dk_parts", (B, Zkv, len(bands), Ck, d), cd, 0)

@@ -4,8 +4,8 @@
 changes, classifies every (query tile, key tile) pair as empty, whole or partly visible
 (``masks.intervals``, and a block-sparse mask's ``BlockFilter``), and lists per query tile
 the key tiles it sees, as the tile loops take them (``tile_ops.fwd_row``). ``bands`` cuts
-such a plan into bands of about equal work for the backward's work items, and ``flatten``
-lays a band's rows end to end for a loop that runs them in one call. ``TilePlans`` sizes
+such a plan into bands of about equal work for the backward's work items, ``flatten`` lays
+a band's rows end to end for a loop that runs them in one call, and ``runs`` does both. ``TilePlans`` sizes
 the tiles for a block pair and keeps its plan for the next call. Planning costs O(tiles),
 never O(pairs).
 """
@@ -16,7 +16,7 @@ import numpy as np
 
 from ..masks.intervals import EMPTY, PARTIAL, classify_tiles
 
-__all__ = ["TilePlans", "tile_plan", "bands", "flatten"]
+__all__ = ["TilePlans", "tile_plan", "bands", "flatten", "runs"]
 
 
 def _tiles(block, size, merge=True):
@@ -154,6 +154,16 @@ def flatten(rows):
     return t0, t1, (span, first, c0, c1, np.concatenate(ivs).astype(np.int64), lo, hi)
 
 
+def runs(plan, count, kept):
+    """``plan`` cut into ``count`` bands of about equal work (``bands``), each laid out for one
+    call of the tile loops (``flatten``); kept in the dict ``kept`` (the plan's ``TilePlans``
+    entry) by their count, for the next step and call."""
+    out = kept.get(count)
+    if out is None:
+        out = kept[count] = [flatten(band) for band in bands(plan, count) if band]
+    return out
+
+
 class TilePlans:
     """A backend's tile plans, sized for each block pair from its tiles of ``tile_q`` query
     rows by ``tile_k`` keys, and kept from call to call (the last ``kept``).
@@ -172,8 +182,8 @@ class TilePlans:
         self._plans.clear()
 
     def get(self, g, qb, kb, blocks=None):
-        """(plan, runs) of a block pair (``tile_plan``'s rows), ``runs`` a dict in which the
-        caller keeps what it derives from the plan (``flatten``'s runs)."""
+        """(plan, kept) of a block pair: ``tile_plan``'s rows, and the dict in which ``runs``
+        keeps the plan's runs."""
         key = (id(qb), id(kb), id(blocks), g)
         hit = self._plans.get(key)
         if hit is None:
