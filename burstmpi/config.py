@@ -35,8 +35,15 @@ BURSTMPI_CHECK          1           ``0`` leaves the argument fingerprint out of
 BURSTMPI_CUDA_AWARE_MPI 0           ``1``: the MPI transport hands GPU buffers to MPI
                                     directly (CUDA-aware MPI) instead of staging them
                                     through host memory
-BURSTMPI_NCCL_TIMEOUT   300         seconds a phase may wait for its NCCL transfers
-                                    before the communicator is aborted with an error
+BURSTMPI_TIMEOUT        300         seconds any wait on other ranks may last (a ring
+                                    step's transfers, the per-call agreement, set-up
+                                    collectives, NCCL's phase end, the decode's
+                                    collective) before the watchdog prints who it
+                                    waited for and aborts the job with exit code 75
+                                    (``burstmpi.transport.watchdog``); the ``timeout``
+                                    keyword of plans, caches and adapters overrides it.
+                                    Replaces ``BURSTMPI_NCCL_TIMEOUT`` (still read, with
+                                    a warning, when this one is unset)
 BURSTMPI_RANKS_PER_NODE 0           ``g``: consecutive blocks of g ranks form a node
                                     (one machine plays a cluster); ``0`` = the ranks
                                     MPI's shared-memory split puts together
@@ -52,6 +59,7 @@ BURSTMPI_LINK_GBPS      (measured)  ``INTRA,INTER``: the links' GB/s (one way, p
 """
 
 import os
+import warnings
 
 __all__ = ["Settings", "settings"]
 
@@ -91,6 +99,16 @@ def _pair(name):
     return pair
 
 
+def _timeout():
+    """``BURSTMPI_TIMEOUT`` in seconds (> 0), or the retired ``BURSTMPI_NCCL_TIMEOUT`` with a
+    warning where only that one is set, else 300."""
+    if not os.environ.get("BURSTMPI_TIMEOUT") and os.environ.get("BURSTMPI_NCCL_TIMEOUT"):
+        warnings.warn("BURSTMPI_NCCL_TIMEOUT is replaced by BURSTMPI_TIMEOUT, which bounds every wait on other "
+                      "ranks (not only NCCL's); set that instead", DeprecationWarning, stacklevel=3)
+        return float(_number("BURSTMPI_NCCL_TIMEOUT", 300.0, float, 1e-3))
+    return float(_number("BURSTMPI_TIMEOUT", 300.0, float, 1e-3))
+
+
 def _choice(name, default, choices):
     raw = os.environ.get(name, "") or default
     if raw not in choices:
@@ -111,7 +129,7 @@ class Settings:
         self.threads = _int("BURSTMPI_THREADS", 0, minimum=0)
         self.check = _int("BURSTMPI_CHECK", 1, minimum=0) != 0
         self.cuda_aware_mpi = _int("BURSTMPI_CUDA_AWARE_MPI", 0, minimum=0) != 0
-        self.nccl_timeout = float(_int("BURSTMPI_NCCL_TIMEOUT", 300))
+        self.timeout = _timeout()
         self.ranks_per_node = _int("BURSTMPI_RANKS_PER_NODE", 0, minimum=0)
         self.internode_gbps = _number("BURSTMPI_INTERNODE_GBPS", 0.0, float, 0)
         self.link_gbps = _pair("BURSTMPI_LINK_GBPS")

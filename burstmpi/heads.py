@@ -23,6 +23,7 @@ from .masks import head_slice
 from .transport.alltoall import HeadExchange
 from .transport.comm import split_once
 from .transport.nodes import Nodes
+from .transport.watchdog import allgather
 
 __all__ = ["HeadParallel", "check_head_parallel", "member_heads", "exchange_transport"]
 
@@ -100,7 +101,8 @@ class HeadParallel:
             g, mover = self.plan.rank // self.u, self._mover[1]
             self._exchange = (layout, transport, HeadExchange(
                 group, [layout.positions(r) for r in range(g * self.u, (g + 1) * self.u)],
-                transport=mover, xp=np if mover is None else xp))
+                transport=mover, xp=np if mover is None else xp,
+                waits=transport.on(group) if mover is None else None))
         return self._exchange[2]
 
     def _inner_for(self, heads):
@@ -122,7 +124,8 @@ class HeadParallel:
             result = call(*args, **kwargs)
         except Exception as e:  # every kind: the others must not hang
             error = e
-        failed = self.plan.comm.allgather(error is not None)
+        failed = allgather(self.plan.comm, error is not None, self.plan.runtime.timeout,
+                           "head_parallel: the check that every ring of groups succeeded")
         if error is not None:
             raise error
         if any(failed):

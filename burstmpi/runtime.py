@@ -23,6 +23,7 @@ from .config import settings
 from .gpu.device import import_cupy, node_rank, pick_device
 from .interop import cupyx_pinned, is_host, to_device, to_host
 from .ring import flat as ring
+from .transport import watchdog
 from .transport.comm import private_comm
 from .transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 from .transport.nodes import nodes
@@ -51,7 +52,7 @@ class Runtime:
     ``device`` are the plan's arguments of the same names (see ``BurstAttention``).
     """
 
-    def __init__(self, fn, comm=None, *, backend="auto", transport="auto", device=None):
+    def __init__(self, fn, comm=None, *, backend="auto", transport="auto", device=None, timeout=None):
         if backend not in BACKENDS:
             raise ValueError(f"{fn}: backend: expected 'auto', 'numpy' or 'cuda', got {backend!r}")
         if transport not in TRANSPORTS:
@@ -63,18 +64,22 @@ class Runtime:
         self.user_comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(self.user_comm, MPI.Intracomm):
             raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
-        self.comm = private_comm(self.user_comm)
+        cfg = settings()
+        # Every wait on other ranks ends within this many seconds (``transport.watchdog``).
+        self.timeout = cfg.timeout if timeout is None else watchdog.check_timeout(fn, timeout)
+        if MPI.COMM_WORLD.Get_size() > 1:
+            watchdog.install_excepthook()  # one rank's uncaught exception ends the job, not a hang
+        self.comm = private_comm(self.user_comm, self.timeout)
         self.rank, self.nranks = self.comm.Get_rank(), self.comm.Get_size()
         self.transport_name, self.device_arg = transport, device
-        cfg = settings()
         self.backend_name = cfg.backend if backend == "auto" and cfg.backend != "auto" else backend
         self.tiles, self.check = (cfg.tile_q, cfg.tile_k), cfg.check
         self._threads, self._cpu_kernels, self._cpu_gemm = cfg.threads, cfg.cpu_kernels, cfg.cpu_gemm
-        self._cuda_aware, self._nccl_timeout = cfg.cuda_aware_mpi, cfg.nccl_timeout
+        self._cuda_aware = cfg.cuda_aware_mpi
         self.backend = None
         # Until the first call picks one (``_host_transport``); a transport a test puts in
         # its place is kept. ``_host``: what host calls use, again after GPU ones.
-        self.transport = self._default = MPITransport(self.comm)
+        self.transport = self._default = self._waiting(MPITransport(self.comm))
         self._host = None
         self._channels = {}
         self._arena = None
@@ -94,14 +99,17 @@ class Runtime:
         """Be ready to run on ``kind`` (collective when that changes: a first call, or a
         switch between host and GPU). ``options`` are the plan's (name, value) pairs, agreed
         on before the GPU set-up's collectives so a rank that disagrees raises, not hangs."""
-        if self.nodes is None:  # every rank's first call: collective
-            self.nodes = nodes(self.comm)
-        if getattr(self.backend, "name", None) == kind:
+        watchdog.entering(fn)
+        if getattr(self.backend, "name", None) == kind and self.nodes is not None:
             return
         # The slowed links' setting picks the host transport and is refused with GPU arrays:
-        # agreed on here for every caller (a plan, a KV cache).
+        # agreed on here for every caller (a plan, a KV cache). First of the call's
+        # collectives, so a rank that did not make the call is named (``validate.agree``).
         agree(self.comm, fn, None, [("runs on", kind), ("BURSTMPI_INTERNODE_GBPS", settings().internode_gbps)]
-              + list(options))
+              + list(options), timeout=self.timeout)
+        if self.nodes is None:  # every rank's first call: collective
+            self.nodes = nodes(self.comm, self.timeout)
+            watchdog.learn_hosts(self.comm, self.nodes.hosts)
         if kind == "cuda":
             if self.transport_name == "shm":  # the same on every rank: agreed on just above
                 raise ValueError(f"{fn}: transport: 'shm' shares host buffers; GPU arrays need 'auto', "
@@ -112,18 +120,19 @@ class Runtime:
             if self.backend is not None:  # back from the GPU: host buffers, the host transport
                 self.release()
                 self.transport = self._default if self._host is None else self._host
-            masks, _ = node_masks(self.comm)  # collective
-            if self.transport is self._default:
-                self.transport = self._host_transport(fn, one_node=len(masks) == self.nranks)
-            self._host = self.transport
-            self.transport.idle = shares_cores(masks)  # waits sleep if so
-            threads = threads_per_rank(self.comm, self._threads)  # collective
+            with watchdog.guard(f"{fn}: the set-up of the CPU backend (its cores and transport)", self.timeout):
+                masks, _ = node_masks(self.comm)  # collective
+                if self.transport is self._default:
+                    self.transport = self._waiting(self._host_transport(fn, one_node=len(masks) == self.nranks))
+                self._host = self.transport
+                self.transport.idle = shares_cores(masks)  # waits sleep if so
+                threads = threads_per_rank(self.comm, self._threads)  # collective
             error, backend = None, None
             try:  # BURSTMPI_CPU_KERNELS=numba without numba: every rank raises
                 backend = NumpyBackend(*self.tiles, threads=threads, kernels=self._cpu_kernels, gemm=self._cpu_gemm)
             except RuntimeError as e:
                 error = e
-            agree(self.comm, fn, error, [])
+            agree(self.comm, fn, error, [], timeout=self.timeout)
             self.backend = backend
 
     def convert(self, fn, arrays):
@@ -138,7 +147,12 @@ class Runtime:
         """``validate.agree`` on this runtime's communicator; ``BURSTMPI_CHECK=0`` leaves
         the signature out (errors still travel)."""
         return agree(self.comm, fn, error, signature if self.check else [], length,
-                     idle=getattr(self.transport, "idle", False))
+                     idle=getattr(self.transport, "idle", False), timeout=self.timeout)
+
+    def _waiting(self, transport):
+        """``transport`` with this runtime's deadline on its waits."""
+        transport.timeout = self.timeout
+        return transport
 
     def _host_transport(self, fn, one_node):
         """How host buffers travel: read in place from a shared window when every rank is on
@@ -168,29 +182,31 @@ class Runtime:
             cupy = import_cupy(fn)
         except (NotImplementedError, RuntimeError) as e:
             error = e
-        agree(self.comm, fn, error, [])
-        local = node_rank(self.comm)
+        agree(self.comm, fn, error, [], timeout=self.timeout)
+        with watchdog.guard(f"{fn}: the GPU set-up (which ranks share a node)", self.timeout):
+            local = node_rank(self.comm)
         error, dev = None, None
         try:
             dev = pick_device(fn, local, cupy.cuda.runtime.getDeviceCount(), self.device_arg)
             cupy.cuda.Device(dev).use()
         except (ValueError, RuntimeError) as e:
             error = e
-        agree(self.comm, fn, error, [])
+        agree(self.comm, fn, error, [], timeout=self.timeout)
         self.release()
         self.backend = CupyBackend(cupy, dev)
-        self.transport = self._gpu_transport(fn, cupy, dev)
+        with watchdog.guard(f"{fn}: the GPU transport's set-up (NCCL's bootstrap)", self.timeout):
+            self.transport = self._waiting(self._gpu_transport(fn, cupy, dev))
 
     def _gpu_transport(self, fn, cupy, dev):
         """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
         from .transport import nccl
 
-        everyone = self.comm.allgather((MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
-                                        nccl.available()))
+        everyone = watchdog.allgather(self.comm, (MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
+                                                  nccl.available()), self.timeout, f"{fn}: which GPU each rank has")
         shared = len({(host, bus) for host, bus, _ in everyone}) < self.nranks
         ok = all(has_nccl for _, _, has_nccl in everyone)
         if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
-            return nccl.NCCLTransport(self.comm, dev, timeout_s=self._nccl_timeout)
+            return nccl.NCCLTransport(self.comm, dev, timeout_s=self.timeout)
         if self._cuda_aware:
             return DeviceMPITransport(self.comm, lambda: cupy.cuda.get_current_stream().synchronize())
 
@@ -222,12 +238,13 @@ class Runtime:
             begin()
         single = self.nranks == 1
         try:
-            specs, arena = self._carried(specs, single)
+            with watchdog.guard("the ring buffers' allocation (a shared window: collective)", self.timeout):
+                specs, arena = self._carried(specs, single)
         except NoRoom:  # the same on every rank
             if self.transport_name == "shm":
                 raise
             # "auto": the node's shared memory is full; copy through MPI instead, from now on.
-            idle, self.transport = self.transport.idle, MPITransport(self.comm)
+            idle, self.transport = self.transport.idle, self._waiting(MPITransport(self.comm))
             self.transport.idle, self._host = idle, self.transport
             self._channels.clear()  # they viewed the freed window
             self._arena = None
@@ -281,9 +298,11 @@ class Runtime:
 
     def finish(self):
         """End of a phase: a transport that runs asynchronously (NCCL) checks that its
-        transfers completed, with a timeout, so a dead peer is an error and not a hang; a
-        shared window starts the fence the next phase completes before anyone writes."""
+        transfers completed, within the deadline, so a dead peer ends the job with the
+        watchdog's line, not a hang; a shared window starts the fence the next phase
+        completes before anyone writes."""
         self.transport.finish()
+        watchdog.leaving()
 
     def release(self):
         """Free the ring buffers and the CPU backend's working arrays (they are allocated

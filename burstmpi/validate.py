@@ -2,9 +2,10 @@
 
 Every check names the function, the argument, what was expected and what came.
 Because a ring stalls if one rank drops out, local errors are made collective:
-``agree`` runs one tiny allreduce per call; only when something is wrong does it
-gather the details, and then every rank raises the same error, naming the rank
-that caused it.
+``agree`` gathers three integers per rank on rank 0 and broadcasts them, once per call;
+only when something is wrong does it gather the details, and then every rank raises the
+same error, naming the rank that caused it. A rank that never arrives is named by the
+watchdog (``transport.watchdog``).
 """
 
 import builtins
@@ -19,7 +20,7 @@ from .masks.patterns import Mask
 __all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "TOPOLOGIES", "check_window", "check_mask", "check_options",
            "check_forward", "check_backward", "check_cu_seqlens", "check_lengths", "check_out", "agree",
            "report", "checksum",
-           "fingerprint", "global_layout"]
+           "fingerprint", "global_layout", "layout_dependence", "check_layout_given"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 BWD_MODES = ("auto", "burst", "ring", "two-way")
@@ -65,7 +66,9 @@ def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto",
                             f"{softmax_scale!r} ({type(softmax_scale).__name__})")
         if not np.isfinite(float(softmax_scale)):
             raise ValueError(f"{fn}: softmax_scale: expected a finite number or None, got {softmax_scale!r}")
-    if layout not in LAYOUTS:
+    # None: not given. Accepted here; the call decides whether its result depends on the
+    # layout (``check_layout_given``), collectively, once it knows the ranks and documents.
+    if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
     if bwd_comm not in BWD_MODES:
         raise ValueError(f"{fn}: bwd_comm: expected one of {BWD_MODES}, got {bwd_comm!r}")
@@ -188,36 +191,67 @@ def checksum(signature):
     return zlib.crc32(repr(signature).encode()) & 0x7FFFFFFF
 
 
-def agree(comm, fn, error, signature, length=0, idle=False):
+# The agreement's records travel to rank 0 on this tag of burstmpi's private communicator
+# (the rings' tags are 11 and up).
+TAG_ARRIVE = 9
+
+
+def agree(comm, fn, error, signature, length=0, idle=False, timeout=None):
     """Raise on every rank if any rank has ``error`` or the ranks' signatures differ;
     return every rank's ``length`` (its local sequence length), in rank order.
 
     ``signature`` is a tuple of (name, value) pairs that must match on all ranks; local
-    lengths may differ (the layout decides) and travel beside it. Costs one allgather of
-    three integers per rank when all is well; ``idle``: it sleeps while it waits
-    (``transport.mpi.complete``: ranks take turns on cores).
+    lengths may differ (the layout decides) and travel beside it.
+
+    Each rank sends rank 0 a record of three integers, and rank 0 broadcasts them all: so
+    when a rank never arrives, rank 0 knows which, and names it (``watchdog``: "ranks [1, 2]
+    did not call ... within 300 s"); the others name rank 0 a little later, should it be
+    the one missing. Every wait sleeps between tests where ranks take turns on cores
+    (``idle``) and ends within ``timeout`` seconds (default ``BURSTMPI_TIMEOUT``).
     """
     from mpi4py import MPI
 
-    from .transport.mpi import complete
+    from .config import settings
+    from .transport.watchdog import complete, expire, peers_expired, who
 
+    timeout = settings().timeout if timeout is None else timeout
     h = checksum(signature)
     mine = np.array([1 if error else 0, h, int(length)], dtype=np.int64)
-    every = np.empty((comm.Get_size(), 3), dtype=np.int64)
-    # Nonblocking on every rank whether it sleeps or not: ``idle`` is decided per node, and
-    # a blocking collective never matches a nonblocking one.
-    complete([comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T])], idle)
+    P = comm.Get_size()
+    every = np.empty((P, 3), dtype=np.int64)
+    if comm.Get_rank() == 0:
+        every[0] = mine
+        reqs = [comm.Irecv([every[r], MPI.INT64_T], source=r, tag=TAG_ARRIVE) for r in range(1, P)]
+
+        def missing(pending, waited):
+            expire(f"{who(comm, [i + 1 for i in pending])} did not call {fn} within {waited:.0f} s (or cannot "
+                   "be reached)")
+        complete(reqs, idle, timeout, missing)
+        complete([comm.Ibcast([every, MPI.INT64_T], root=0)], idle, timeout,
+                 peers_expired(comm, (), f"the broadcast of {fn}'s agreement"))
+    else:
+        reqs = [comm.Isend([mine, MPI.INT64_T], dest=0, tag=TAG_ARRIVE), comm.Ibcast([every, MPI.INT64_T], root=0)]
+
+        def unanswered(pending, waited):
+            expire(f"{who(comm, [0])} did not answer the agreement of {fn} within {waited:.0f} s (it waits "
+                   "for every rank: a rank that did not make the call, or a host that cannot be reached)")
+        # Rank 0 names the missing ranks if it can: the others give it time to.
+        complete(reqs, idle, timeout + min(5.0, 0.25 * timeout), unanswered)
     if not every[:, 0].any() and (every[:, 1] == h).all():
         return every[:, 2]
-    report(comm, fn, error, signature)
+    report(comm, fn, error, signature, timeout)
 
 
-def report(comm, fn, error, signature):
+def report(comm, fn, error, signature, timeout=None):
     """The slow path of a failed agreement, collective: gather every rank's error and
     signature and raise the same exception on every rank, naming the first rank that
     failed or the first argument on which the ranks differ."""
+    from .config import settings
+    from .transport.watchdog import allgather
+
     mine = (None if error is None else (type(error).__name__, str(error)), signature)
-    everyone = comm.allgather(mine)
+    everyone = allgather(comm, mine, settings().timeout if timeout is None else timeout,
+                         f"{fn}: the allgather of every rank's error and arguments")
     failed = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
     if failed:
         rank, (kind, msg) = failed[0]
@@ -251,3 +285,35 @@ def global_layout(fn, name, layout, nranks, lengths, cu_seqlens):
     lay = layout_of(layout, nranks, n, cu_seqlens)
     check_lengths(fn, name, lay, lengths)
     return lay
+
+
+def layout_dependence(causal=False, window=None, mask=None, cu_seqlens=None):
+    """What makes a call's result depend on which tokens each rank holds, in words for an
+    error (None: nothing does). Without a causal mask, a window, a mask or documents every
+    query sees every key, and attention does not care where a key sits; with any of them
+    the global positions decide what is seen, and they come from the layout."""
+    from .masks.intervals import Bounds
+
+    what = []
+    if causal:
+        what.append("causal=True")
+    if window is not None and not Bounds(False, window).dense:
+        what.append(f"window={tuple(window)!r}")
+    if mask is not None:
+        what.append("a mask")
+    if cu_seqlens is not None:
+        what.append("cu_seqlens")
+    return " and ".join(what) or None
+
+
+def check_layout_given(fn, layout, nranks, depends,
+                       why="the result depends on which tokens each rank holds"):
+    """``layout=None`` (not given) is refused where the result depends on it: over several
+    ranks with ``depends`` (``layout_dependence``'s words, or the caller's). A default
+    there would be silently wrong for shards made with another layout, so the caller must
+    say which one it sharded with. Local: callers raise it through their agreement
+    collective, so every rank raises, also when only some ranks left it out."""
+    if layout is None and nranks > 1 and depends:
+        raise ValueError(f"{fn}: layout: expected {', '.join(map(repr, LAYOUTS[:-1]))} or {LAYOUTS[-1]!r} "
+                         f"with {depends} over {nranks} ranks ({why}), got None (not given); pass the layout "
+                         "you sharded with (burstmpi.shard(x, layout=...))")

@@ -13,6 +13,8 @@ before it writes anything, and ``_undo`` puts the slots back if the call fails a
 import numpy as np
 from mpi4py import MPI
 
+from ..transport.watchdog import complete, peers_expired
+
 __all__ = ["SlotStore", "host"]
 
 
@@ -82,8 +84,10 @@ class SlotStore:
         send = np.ascontiguousarray(np.concatenate([kk, vv], axis=1)).view(np.uint8)
         recv = np.empty((int(recv_counts.sum()), row), np.uint8)
         displ = lambda c: np.concatenate([[0], np.cumsum(c)[:-1]]) * row
-        rt.comm.Alltoallv([send, (send_counts * row, displ(send_counts)), MPI.BYTE],
-                          [recv, (recv_counts * row, displ(recv_counts)), MPI.BYTE])
+        req = rt.comm.Ialltoallv([send, (send_counts * row, displ(send_counts)), MPI.BYTE],
+                                 [recv, (recv_counts * row, displ(recv_counts)), MPI.BYTE])
+        complete([req], getattr(rt.transport, "idle", False), rt.timeout,
+                 peers_expired(rt.comm, (), "the all-to-all that moves the cache's tokens to their slots"))
         pos = np.concatenate(src_pos)
         order = np.argsort(pos, kind="stable")  # slots in position order: the oldest first
         got, pos = recv.view(self.dtype)[order], pos[order]

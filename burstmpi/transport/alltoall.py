@@ -26,6 +26,8 @@ Two ways to move the shares, one exchange per array and direction:
 import numpy as np
 from mpi4py import MPI
 
+from .mpi import MPITransport
+
 __all__ = ["HeadExchange"]
 
 
@@ -38,8 +40,11 @@ class HeadExchange:
     ``MPI.Alltoallv`` of host arrays, or a transport over ``comm`` whose grouped
     point-to-point transfers carry the shares (NCCL: arrays of ``xp``, CuPy)."""
 
-    def __init__(self, comm, positions, transport=None, xp=np):
+    def __init__(self, comm, positions, transport=None, xp=np, waits=None):
         self.comm, self.transport, self.xp = comm, transport, xp
+        # Without a transport: a host transport over ``comm`` whose deadline the
+        # nonblocking Alltoallv is completed with (``watchdog.complete``).
+        self.waits = MPITransport(comm) if waits is None else waits
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         merged = np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int64)
         self.counts = [len(p) for p in positions]
@@ -59,8 +64,9 @@ class HeadExchange:
         rcounts = [int(np.prod(s)) * item for s in recv_shapes]
         recv = xp.empty(sum(rcounts), xp.uint8)
         if self.transport is None:
-            self.comm.Alltoallv([send, (scounts, _displs(scounts)), MPI.BYTE],
-                                [recv, (rcounts, _displs(rcounts)), MPI.BYTE])
+            self.waits.complete([self.comm.Ialltoallv([send, (scounts, _displs(scounts)), MPI.BYTE],
+                                                      [recv, (rcounts, _displs(rcounts)), MPI.BYTE])],
+                                "the all-to-all of head parallelism")
         else:
             self._point_to_point(send, scounts, recv, rcounts)
         self.bytes_sent += sum(c for j, c in enumerate(scounts) if j != self.rank)
@@ -76,14 +82,16 @@ class HeadExchange:
         sd, rd = _displs(scounts), _displs(rcounts)
         me = self.rank
         recv[rd[me]:rd[me] + rcounts[me]] = send[sd[me]:sd[me] + scounts[me]]
-        t, reqs = self.transport, []
+        t, reqs, peers = self.transport, [], []
         with t.group():
             for j in range(self.size):
                 if j != me and scounts[j]:
                     reqs.append(t.isend(send[sd[j]:sd[j] + scounts[j]], j, TAG))
+                    peers.append(("send a head share to", j))
                 if j != me and rcounts[j]:
                     reqs.append(t.irecv(recv[rd[j]:rd[j] + rcounts[j]], j, TAG))
-        t.wait(reqs)
+                    peers.append(("receive a head share from", j))
+        t.wait(reqs, peers)
 
     def to_heads(self, x, heads):
         """``x`` (B, C_me, H, ...), this rank's tokens of every head, to (B, C_group, h, ...):

@@ -20,6 +20,8 @@ A channel moves its buffers through a transport (``mpi``, ``shm``, ``nccl``).
 import numpy as np
 from mpi4py import MPI
 
+from .watchdog import DEFAULT_TIMEOUT, guard
+
 __all__ = ["private_comm", "split_once", "Channel", "PartialChannel", "field_bytes", "Packet", "packed_fields",
            "rows_bytes"]
 
@@ -35,20 +37,23 @@ FIELD_ALIGN = 16
 _KEYVAL = None
 
 
-def private_comm(comm):
+def private_comm(comm, timeout=DEFAULT_TIMEOUT):
     """Return burstmpi's duplicate of ``comm``, created once and cached on it.
 
     Library traffic on a duplicate can never match the caller's own messages. The
     duplicate is cached as an MPI attribute of the caller's communicator (the standard
     way for a library to keep per-communicator state), so it lives exactly as long as
-    that communicator. Collective on the first call for a communicator.
+    that communicator. Collective on the first call for a communicator (within ``timeout``
+    seconds: ``watchdog.guard``).
     """
     global _KEYVAL
     if _KEYVAL is None:
         _KEYVAL = MPI.Comm.Create_keyval()
     dup = comm.Get_attr(_KEYVAL)
     if dup is None:
-        dup = comm.Dup()
+        with guard("MPI_Comm_dup of the caller's communicator (a rank did not make its first burstmpi call?)",
+                   timeout):
+            dup = comm.Dup()
         comm.Set_attr(_KEYVAL, dup)
     return dup
 
@@ -56,7 +61,7 @@ def private_comm(comm):
 _SPLITS = {}  # (communicator handle, purpose) -> the communicators split from it for it
 
 
-def split_once(comm, purpose, colors):
+def split_once(comm, purpose, colors, timeout=DEFAULT_TIMEOUT):
     """``comm.Split(color, key)`` for each (color, key) of ``colors``, made once per
     communicator and ``purpose`` (a hashable naming the grouping: the same on every rank)
     and kept for the life of the process. ``burstmpi.attention`` makes a plan per call, so
@@ -65,7 +70,8 @@ def split_once(comm, purpose, colors):
     key = (comm.py2f(), purpose)
     split = _SPLITS.get(key)
     if split is None:
-        split = _SPLITS[key] = tuple(comm.Split(color, k) for color, k in colors)
+        with guard(f"MPI_Comm_split for {purpose}", timeout):
+            split = _SPLITS[key] = tuple(comm.Split(color, k) for color, k in colors)
     return split
 
 
@@ -222,8 +228,9 @@ class Channel(Counted):
             raise RuntimeError(f"{type(self).__name__}.post: the previous transfer has not been waited for")
         for arg, n in (("send_rows", send_rows), ("recv_rows", recv_rows), ("forward_rows", forward_rows)):
             check_rows(self, arg, n, self.rows)
-        reqs = []
+        reqs, peers = [], []
         if send:
+            peers.append(("send the ring's packet to", self.send_to))
             if self._ahead is not None:  # already on its way (``progress``)
                 req, rows = self._ahead
                 if rows != send_rows:
@@ -240,10 +247,11 @@ class Channel(Counted):
         if recv:
             into, n = self._incoming(recv_rows)
             reqs.append(self.transport.irecv(into, self.recv_from, self.tag))
+            peers.append(("receive the ring's packet from", self.recv_from))
             self.bytes_recv += n
         eager = recv and forward and getattr(self.transport, "eager", False)
         self._forward = (forward_rows,) if eager else None
-        self._pending = (reqs, recv)
+        self._pending = (reqs, recv, peers)
 
     # What a step sends and receives into (each with the packet bytes it stands for), and
     # what an arrival changes (``shm.ShmChannel`` moves tokens instead of packets). The
@@ -296,10 +304,10 @@ class Channel(Counted):
         ahead is the next step's transfer: ``post`` waits for it with that one's)."""
         if self._pending is None:
             raise RuntimeError(f"{type(self).__name__}.wait: nothing was posted")
-        reqs, received = self._pending
+        reqs, received, peers = self._pending
         self._pending = self._forward = None
         if reqs:
-            self.transport.wait(reqs)
+            self.transport.wait(reqs, peers)
         if received:
             self._arrived()
 
@@ -327,9 +335,10 @@ class PartialChannel(Counted):
             bufs = bufs * 4
         self._recv, self._send, self._home = bufs[0], bufs[1:3], bufs[3]
         self.rows = bufs[0].rows
-        self._send_reqs = [None, None]
+        self._send_reqs, self._dests = [None, None], [None, None]
         self._next = 0
         self._recvs = {}  # home? -> (request, buffer, rows)
+        self._sources = {}  # home? -> the rank a posted receive waits for (the watchdog names it)
         self._send_rows = self.rows
         self.nbytes = self._recv.raw.nbytes
         self.reset_counts()
@@ -347,6 +356,7 @@ class PartialChannel(Counted):
         buf = self._home if home else self._recv
         into = buf.message(rows)
         self._recvs[home] = (self.transport.irecv(into, src, self.tag + (HOME_TAG_OFFSET if home else 0)), buf, rows)
+        self._sources[home] = src
         self.bytes_recv += into.nbytes
 
     def received(self, home=False):
@@ -354,7 +364,7 @@ class PartialChannel(Counted):
         if home not in self._recvs:
             raise RuntimeError("PartialChannel.received: no receive was posted")
         req, buf, rows = self._recvs.pop(home)
-        self.transport.wait([req])
+        self.transport.wait([req], [("receive a gradient partial from", self._sources.pop(home))])
         return buf.views(rows)
 
     @staticmethod
@@ -367,7 +377,7 @@ class PartialChannel(Counted):
         check_rows(self, "rows", rows, self.rows)
         i = self._next
         if self._send_reqs[i] is not None:
-            self.transport.wait([self._send_reqs[i]])
+            self.transport.wait([self._send_reqs[i]], [("send a gradient partial to", self._dests[i])])
             self._send_reqs[i] = None
         self._send_rows = self.rows if rows is None else rows
         self._send[i].message(self._send_rows).fill(0)
@@ -380,6 +390,7 @@ class PartialChannel(Counted):
         out = self._send[i].message(self._send_rows)
         dest = self.send_to if dest is None else dest
         self._send_reqs[i] = self.transport.isend(out, dest, self.tag + (HOME_TAG_OFFSET if home else 0))
+        self._dests[i] = dest
         self.count_sent(dest, out.nbytes)
         self._next = 1 - i
 
@@ -391,7 +402,7 @@ class PartialChannel(Counted):
 
     def drain(self):
         """Complete every outstanding send (at the end of a phase)."""
-        reqs = [r for r in self._send_reqs if r is not None]
-        if reqs:
-            self.transport.wait(reqs)
+        sent = [(r, ("send a gradient partial to", d)) for r, d in zip(self._send_reqs, self._dests) if r is not None]
+        if sent:
+            self.transport.wait([r for r, _ in sent], [p for _, p in sent])
         self._send_reqs = [None, None]

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from ..config import settings
 from .mpi import MPITransport
+from .watchdog import DEFAULT_TIMEOUT, allgather
 
 __all__ = ["link_speeds"]
 
@@ -27,26 +28,28 @@ def _ring_seconds(comm, transport, dest, source, send, recv, reps):
     waited for and finished, so an asynchronous transport's time is the host's."""
     best = float("inf")
     for _ in range(reps):
-        comm.Barrier()
+        transport.complete([comm.Ibarrier()], "the barrier before timing a link")
         t0 = MPI.Wtime()
         with transport.group():
             reqs = [transport.isend(send, dest, 17), transport.irecv(recv, source, 17)]
-        transport.wait(reqs)
+        transport.wait(reqs, [("send a link's timing message to", dest), ("receive one from", source)])
         transport.finish()
         best = min(best, MPI.Wtime() - t0)
-    return comm.allreduce(best, op=MPI.MAX)
+    return max(allgather(comm, best, transport.timeout, "the allgather of the links' timings"))
 
 
-def link_speeds(comm, nodes, nbytes=4 << 20, reps=3, transport=None, alloc=None):
+def link_speeds(comm, nodes, nbytes=4 << 20, reps=3, transport=None, alloc=None, timeout=DEFAULT_TIMEOUT):
     """(intra, inter) GB/s of ``comm``'s ranks on ``nodes`` (equal nodes of 2+ ranks, two or
     more of them): configured, or measured (collective): by MPI on host buffers, or by
-    ``transport`` (over ``comm``) on buffers ``alloc(nbytes)`` makes (the GPU's)."""
+    ``transport`` (over ``comm``) on buffers ``alloc(nbytes)`` makes (the GPU's); every
+    wait has ``transport``'s deadline, or ``timeout`` on host buffers."""
     cfg = settings()
     if cfg.link_gbps:
         intra, inter = cfg.link_gbps
     else:
         if transport is None:  # host buffers through MPI
             transport, alloc = MPITransport(comm), lambda n: np.ones(n, np.uint8)
+            transport.timeout = timeout
         send, recv = alloc(nbytes), alloc(nbytes)
         node, i = nodes.node, nodes.local_rank
         mine, N = nodes.members[node], nodes.count

@@ -2,44 +2,31 @@
 
 ``MPITransport`` moves host buffers; ``DeviceMPITransport`` hands device buffers to a
 CUDA-aware MPI; ``StagedMPITransport`` copies device buffers through host ones for an MPI
-that is not CUDA-aware. ``complete`` waits for requests, sleeping between tests where ranks
-take turns on a node's cores. The channels (``comm``) post their transfers on any of these.
+that is not CUDA-aware. Every wait has the transport's deadline (``watchdog.complete``). The
+channels (``comm``) post their transfers on any of these.
 """
 
 import contextlib
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 from .comm import _address
+from .watchdog import DEFAULT_TIMEOUT, complete, peers_expired
 
-__all__ = ["complete", "MPITransport", "DeviceMPITransport", "StagedMPITransport"]
-
-
-def complete(requests, idle=False):
-    """Wait for MPI requests. MPI's Waitall polls without pause, and where ranks take turns
-    on a core (``idle``) the waiting rank would take half of it from the rank it waits for:
-    there it tests and sleeps instead, 20 us at first, doubling up to 1 ms. Measured with 4
-    ranks on 2 cores: a 0.25 s compute beside a rank waiting in MPI_Wait took 0.48 s, 0.43 s
-    with MPICH's own yield (MPIR_CVAR_ENABLE_HEAVY_YIELD=1), 0.26 s beside one sleeping."""
-    if not idle:
-        MPI.Request.Waitall(requests)
-        return
-    pause = 2e-5
-    while not MPI.Request.Testall(requests):
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
+__all__ = ["MPITransport", "DeviceMPITransport", "StagedMPITransport"]
 
 
 class MPITransport:
     """Point-to-point transfers of host buffers over an mpi4py communicator.
 
-    ``idle``: ranks take turns on this node's cores, so waits sleep (``complete``); the
-    runtime sets it on a plan's first call."""
+    ``idle``: ranks take turns on this node's cores, so waits sleep (``watchdog.complete``);
+    the runtime sets it on a plan's first call. ``timeout``: the seconds a wait may last
+    before the watchdog ends the job (the runtime's ``timeout``)."""
 
     name = "mpi"
     idle = False
+    timeout = DEFAULT_TIMEOUT
     # Messages match in any order, and a received buffer is the packet itself: a packet
     # may be sent on as soon as it arrives (``Channel.post(forward=)``).
     eager = True
@@ -53,7 +40,7 @@ class MPITransport:
         return self._like(type(self)(comm))
 
     def _like(self, other):
-        other.idle = self.idle
+        other.idle, other.timeout = self.idle, self.timeout
         return other
 
     @staticmethod
@@ -69,13 +56,19 @@ class MPITransport:
     def irecv(self, buf, source, tag):
         return self.comm.Irecv([buf, MPI.BYTE], source=source, tag=tag)
 
-    def wait(self, requests):
-        complete(requests, self.idle)
+    def wait(self, requests, peers=()):
+        """Complete ``requests`` within the deadline. ``peers[i]``: what request i waits
+        for, ``("receive from", rank)`` or ``("send to", rank)``, named if it expires."""
+        complete(requests, self.idle, self.timeout, peers_expired(self.comm, peers))
+
+    def complete(self, requests, where):
+        """Complete the requests of a collective (``where`` names it) within the deadline."""
+        complete(requests, self.idle, self.timeout, peers_expired(self.comm, (), where))
 
     def allgather(self, send, recv):
-        """Every rank's ``send`` bytes into ``recv`` (rank order), blocking: the decode's
-        one collective per call (``burstmpi.decode.cache``)."""
-        self.comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
+        """Every rank's ``send`` bytes into ``recv`` (rank order): the decode's one
+        collective per call (``burstmpi.decode.cache``)."""
+        self.complete([self.comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])], "the allgather of every rank's part")
 
     @staticmethod
     def progress(requests):
@@ -157,8 +150,8 @@ class StagedMPITransport(MPITransport):
         host = self._host(buf, "recv")
         return _Staged(self.comm.Irecv([host, MPI.BYTE], source=source, tag=tag), host, buf)
 
-    def wait(self, requests):
-        complete([r.req for r in requests], self.idle)
+    def wait(self, requests, peers=()):
+        super().wait([r.req for r in requests], peers)
         for r in requests:
             if r.device is not None:
                 self._to_device(r.host, r.device)
@@ -170,5 +163,5 @@ class StagedMPITransport(MPITransport):
     def allgather(self, send, recv):
         host_send, host_recv = self._host(send, "gather-send"), self._host(recv, "gather-recv")
         self._to_host(send, host_send)
-        self.comm.Allgather([host_send, MPI.BYTE], [host_recv, MPI.BYTE])
+        super().allgather(host_send, host_recv)
         self._to_device(host_recv, recv)

@@ -11,8 +11,8 @@ buffer before the kernel that produced it has finished, and never overwrites one
 still reads); the step's sends and receives are issued between ncclGroupStart and
 ncclGroupEnd; closing the group records a "received" event that ``wait`` makes the
 compute stream wait for. No host synchronisation happens inside the ring loop.
-``finish`` waits at the end of a phase with a timeout, polling NCCL's asynchronous error
-state, so a peer that died turns into an error (prefixed with the rank) instead of a hang.
+``finish`` waits at the end of a phase with the deadline, polling NCCL's asynchronous error
+state, so a peer that died ends the job with the watchdog's line instead of a hang.
 """
 
 import contextlib
@@ -21,6 +21,7 @@ import time
 from mpi4py import MPI
 
 from ..gpu.device import rank_prefix
+from .watchdog import DEFAULT_TIMEOUT, bcast, complete, expire, peers_expired
 
 __all__ = ["unique_id", "communicator", "NCCLTransport", "available", "choose_transport"]
 
@@ -51,12 +52,13 @@ def choose_transport(fn, requested, nccl_ok, shared_gpu):
     return requested
 
 
-def unique_id(comm):
-    """The NCCL unique id of rank 0, broadcast to every rank of ``comm`` (collective)."""
+def unique_id(comm, timeout=DEFAULT_TIMEOUT):
+    """The NCCL unique id of rank 0, broadcast to every rank of ``comm`` (collective,
+    within ``timeout`` seconds)."""
     from cupy.cuda import nccl
 
     uid = nccl.get_unique_id() if comm.Get_rank() == 0 else None
-    return comm.bcast(uid, root=0)
+    return bcast(comm, uid, 0, timeout, "the broadcast of NCCL's unique id")
 
 
 def _destroy(comm, keyval, cached):
@@ -68,8 +70,9 @@ def _destroy(comm, keyval, cached):
     return MPI.SUCCESS
 
 
-def communicator(comm, device_id):
-    """The NCCL communicator of ``comm`` on ``device_id``, created once (collective)."""
+def communicator(comm, device_id, timeout=DEFAULT_TIMEOUT):
+    """The NCCL communicator of ``comm`` on ``device_id``, created once (collective; the
+    bootstrap's broadcast within ``timeout`` seconds)."""
     global _KEYVAL
     from cupy.cuda import nccl
 
@@ -80,7 +83,7 @@ def communicator(comm, device_id):
         cached = {}
         comm.Set_attr(_KEYVAL, cached)
     if device_id not in cached:
-        uid = unique_id(comm)
+        uid = unique_id(comm, timeout)
         import cupy
 
         with cupy.cuda.Device(device_id):
@@ -116,7 +119,7 @@ class NCCLTransport:
             from cupy.cuda import nccl as _nccl
         self._cupy, self._nccl = _cupy, _nccl
         self.comm, self.device_id, self.timeout_s = comm, device_id, timeout_s
-        self.nccl_comm = communicator(comm, device_id) if _nccl_comm is None else _nccl_comm
+        self.nccl_comm = communicator(comm, device_id, timeout_s) if _nccl_comm is None else _nccl_comm
         with _cupy.cuda.Device(device_id):
             self.stream = _cupy.cuda.Stream(non_blocking=True)
         self._open = None
@@ -169,7 +172,7 @@ class NCCLTransport:
         self.nccl_comm.recv(buf.data.ptr, buf.nbytes, self._nccl.NCCL_UINT8, source, self.stream.ptr)
         return r
 
-    def wait(self, requests):
+    def wait(self, requests, peers=()):
         """Make the compute stream wait for the transfers (no host synchronisation)."""
         compute = self._cupy.cuda.get_current_stream()
         for r in {id(r.event): r for r in requests}.values():
@@ -178,6 +181,20 @@ class NCCLTransport:
     @staticmethod
     def progress(requests):
         return True  # NCCL progresses on its own: nothing for the host to poll
+
+    @property
+    def timeout(self):
+        """The deadline of every wait, in seconds (as ``MPITransport.timeout``)."""
+        return self.timeout_s
+
+    @timeout.setter
+    def timeout(self, seconds):
+        self.timeout_s = seconds
+
+    def complete(self, requests, where):
+        """Complete MPI ``requests`` on the plan's communicator (a barrier around a link's
+        timing) within the deadline."""
+        complete(requests, False, self.timeout_s, peers_expired(self.comm, (), where))
 
     def allgather(self, send, recv):
         """Every rank's ``send`` bytes into ``recv`` on the comm stream, ordered after the
@@ -190,8 +207,9 @@ class NCCLTransport:
         compute.wait_event(self._last)
 
     def finish(self):
-        """Wait for the phase's last transfers on the host, with a timeout and NCCL's
-        asynchronous error check: a dead peer becomes an error here, not a hang."""
+        """Wait for the phase's last transfers on the host, with the deadline and NCCL's
+        asynchronous error check: a dead peer ends the job with the watchdog's line
+        (``watchdog.expire``), not a hang."""
         if self._last is None:
             return
         start = time.monotonic()
@@ -199,7 +217,7 @@ class NCCLTransport:
             self.nccl_comm.check_async_error()
             if time.monotonic() - start > self.timeout_s:
                 self.nccl_comm.abort()
-                raise RuntimeError(f"{rank_prefix(self.comm)}NCCL ring transfer did not complete in "
-                                   f"{self.timeout_s:.0f} s (a peer may have died); communicator aborted")
+                expire(f"the phase's NCCL transfers did not complete within {self.timeout_s:.0f} s (a peer or "
+                       "a link stopped answering); NCCL communicator aborted")
             time.sleep(1e-4)
         self._last = None

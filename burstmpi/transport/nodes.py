@@ -13,6 +13,7 @@ window, the cores its threads use, which GPU it picks) still follows the real no
 from mpi4py import MPI
 
 from ..config import settings
+from .watchdog import DEFAULT_TIMEOUT, allgather, guard
 
 __all__ = ["Nodes", "nodes"]
 
@@ -22,8 +23,10 @@ class Nodes:
     nodes numbered in the order of their lowest rank; ``members[n]``: node n's ranks in
     increasing order."""
 
-    def __init__(self, node_of, rank=0):
+    def __init__(self, node_of, rank=0, hosts=None):
         self.node_of = tuple(int(n) for n in node_of)
+        # Every rank's processor name (what the watchdog names hosts by), where known.
+        self.hosts = None if hosts is None else tuple(hosts)
         count = max(self.node_of, default=-1) + 1
         self.members = tuple(tuple(r for r, n in enumerate(self.node_of) if n == i) for i in range(count))
         self.rank = rank
@@ -79,20 +82,26 @@ class Nodes:
         return f"Nodes({self.describe()})"
 
 
-def nodes(comm):
-    """The ``Nodes`` of ``comm`` (collective): ``BURSTMPI_RANKS_PER_NODE`` if set, else the
-    shared-memory split."""
+def nodes(comm, timeout=DEFAULT_TIMEOUT):
+    """The ``Nodes`` of ``comm`` (collective, each step within ``timeout`` seconds):
+    ``BURSTMPI_RANKS_PER_NODE`` if set, else the shared-memory split; with every rank's
+    processor name."""
     per_node = settings().ranks_per_node
-    every = comm.allgather(per_node)  # a setting that differs between ranks raises on every rank
-    if len(set(every)) > 1:
-        raise ValueError(f"BURSTMPI_RANKS_PER_NODE: expected the same on every rank, got {every} (by rank)")
+    every = allgather(comm, (per_node, MPI.Get_processor_name()), timeout,
+                      "node discovery: the allgather of every rank's host")
+    hosts = [host for _, host in every]
+    if len({g for g, _ in every}) > 1:  # a setting that differs between ranks raises on every rank
+        raise ValueError(f"BURSTMPI_RANKS_PER_NODE: expected the same on every rank, got {[g for g, _ in every]} "
+                         "(by rank)")
     if per_node:
-        return Nodes.blocks(comm.Get_size(), per_node, comm.Get_rank())
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        lowest = node.allreduce(comm.Get_rank(), op=MPI.MIN)  # the node's lowest rank names it
+        n = comm.Get_size()
+        return Nodes([r // per_node for r in range(n)], comm.Get_rank(), hosts)
+    with guard("node discovery: the shared-memory split", timeout):
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:  # the node's lowest rank names it
+        lowest = min(allgather(node, comm.Get_rank(), timeout, "node discovery: the ranks of a node"))
     finally:
         node.Free()
-    leaders = comm.allgather(lowest)
+    leaders = allgather(comm, lowest, timeout, "node discovery: the allgather of the nodes' lowest ranks")
     order = {r: i for i, r in enumerate(sorted(set(leaders)))}
-    return Nodes([order[r] for r in leaders], comm.Get_rank())
+    return Nodes([order[r] for r in leaders], comm.Get_rank(), hosts)

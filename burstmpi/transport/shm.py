@@ -43,7 +43,8 @@ from mpi4py import MPI
 
 from .comm import (HOME_TAG_OFFSET, Channel, Counted, Packet, PartialChannel, check_rows, check_send_rows,
                    packed_fields, rows_bytes)
-from .mpi import MPITransport, complete
+from .mpi import MPITransport
+from .watchdog import allgather
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
 
@@ -124,7 +125,7 @@ class ShmTransport(MPITransport):
         self.free()
         P = self.comm.Get_size()
         free = free_shared_bytes()
-        room = self.comm.allreduce(-1 if free is None else free, op=MPI.MIN)
+        room = min(allgather(self.comm, -1 if free is None else free, self.timeout, "the check of the node's room"))
         if 0 <= room < 1.1 * P * nbytes:
             raise NoRoom(f"transport 'shm': the ring's buffers need {P * nbytes / 1e6:.1f} MB of shared "
                          f"memory on this node ({P} ranks x {nbytes / 1e6:.1f} MB), but {SHM_DIR} has "
@@ -179,7 +180,7 @@ class ShmTransport(MPITransport):
     def _settle(self):
         """Complete the fence that ended the last phase, if one is pending."""
         if self._fence is not None:
-            complete([self._fence], self.idle)
+            self.complete([self._fence], "the fence that ends a phase (a barrier of every rank of the node)")
             self._fence = None
             self.sync()
 
@@ -329,7 +330,7 @@ class ShmPartialChannel(Counted):
         if home not in self._recvs:
             raise RuntimeError("ShmPartialChannel.received: no receive was posted")
         req, src, rows = self._recvs.pop(home)
-        self.transport.wait([req])
+        self.transport.wait([req], [("receive a partial's token from", src)])
         self.transport.sync()
         if home:  # written here by its sender (``post_send``)
             return _first(self._home[1], rows, self.rows)
@@ -352,7 +353,7 @@ class ShmPartialChannel(Counted):
         check_rows(self, "rows", rows, self.rows)
         i = self._next
         if self._acks[i] is not None:
-            self.transport.wait([self._acks[i]])
+            self.transport.wait([self._acks[i]], [("receive an acknowledgement from", self.send_to)])
             self._acks[i] = None
             self.transport.sync()  # the reader's reads before our writes
         self._send_rows = self.rows if rows is None else rows

@@ -22,7 +22,7 @@ import time
 from mpi4py import MPI
 
 from ..config import settings
-from .mpi import MPITransport, complete
+from .mpi import MPITransport
 
 __all__ = ["SlowLinksTransport", "refuse_device_arrays"]
 
@@ -76,11 +76,13 @@ class SlowLinksTransport(MPITransport):
         start = max(time.perf_counter(), _link_free[0])
         r.due = _link_free[0] = start + r.nbytes / self.rate
 
-    def wait(self, requests):
-        complete([r for r in requests if not isinstance(r, _Due)], self.idle)
-        for r in requests:
+    def wait(self, requests, peers=()):
+        peers = list(peers) + [None] * (len(requests) - len(peers))
+        plain = [(r, p) for r, p in zip(requests, peers) if not isinstance(r, _Due)]
+        super().wait([r for r, _ in plain], [p for _, p in plain])
+        for r, p in zip(requests, peers):
             if isinstance(r, _Due) and r.due is None:
-                complete([r.request], self.idle)
+                super().wait([r.request], [p])
                 self._arrived(r)
         left = max((r.due for r in requests if isinstance(r, _Due)), default=0.0) - time.perf_counter()
         if left > 0:

@@ -1,0 +1,189 @@
+"""The watchdog: every wait on other ranks ends within its deadline, with one line naming
+who it waited for, and the job ends with exit code 75 (``burstmpi.transport.watchdog``).
+
+The multi-rank cases run ``mpiexec`` in a subprocess (``test_mpi.mpiexec``: a hard timeout
+kills the whole process group, so a watchdog that fails to fire fails the test instead of
+stalling CI); the in-process ones check the pieces with the abort replaced.
+"""
+
+import textwrap
+import threading
+import time
+
+import pytest
+from mpi4py import MPI
+
+from burstmpi.transport import watchdog
+from test_mpi import mpiexec, pytestmark as under_mpiexec  # noqa: F401  (skips alike)
+
+pytestmark = under_mpiexec
+
+TIMEOUT = 4  # seconds: each job below must end within TIMEOUT + a margin for start-up
+
+# A tiny causal call every rank can make; ``call(i)`` on the ranks of ``who``.
+PRELUDE = textwrap.dedent(f"""
+    import sys, time
+    import numpy as np
+    from mpi4py import MPI
+    import burstmpi
+    rank = MPI.COMM_WORLD.Get_rank()
+    q = np.random.default_rng(0).standard_normal((1, 64, 2, 16), dtype=np.float32)
+    def call():
+        return burstmpi.attention(q, q, q, causal=True, layout="contiguous", timeout={TIMEOUT})
+""")
+
+
+def _watchdog_lines(out):
+    return [line for line in out.splitlines() if line.startswith(watchdog.PREFIX)]
+
+
+def _ends_by_watchdog(script, n=3, via_mpi4py=False, code=watchdog.EXIT_TIMEOUT, most=TIMEOUT + 30):
+    rc, out, secs = mpiexec(n, ["-c", PRELUDE + textwrap.dedent(script)], timeout=120, via_mpi4py=via_mpi4py)
+    assert rc == code, f"expected exit {code}, got {rc}:\n{out[-3000:]}"
+    lines = _watchdog_lines(out)
+    assert lines, f"no '{watchdog.PREFIX}' line:\n{out[-3000:]}"
+    assert secs < most, f"the job took {secs:.0f} s to end (deadline {TIMEOUT} s)"
+    return lines, out
+
+
+def test_a_rank_that_does_not_make_the_call_is_named():
+    """Only rank 0 makes the second call: it names ranks 1 and 2 (with their host) and the
+    job ends with the watchdog's exit code; the others had finished their programs."""
+    lines, _ = _ends_by_watchdog("""
+        call()
+        if rank == 0:
+            call()
+    """)
+    host = MPI.Get_processor_name()
+    assert any(f"ranks [1, 2] ({host}) did not call BurstAttention.forward within" in line for line in lines), lines
+
+
+def test_a_first_call_on_one_rank_only_ends_the_job():
+    """The first call on a communicator duplicates it (collective, no names to give yet):
+    the line says what did not complete and why that may be."""
+    lines, _ = _ends_by_watchdog("""
+        if rank == 0:
+            call()
+    """)
+    assert any("MPI_Comm_dup" in line and "did not make its first burstmpi call" in line for line in lines), lines
+
+
+def test_a_rank_stuck_inside_the_ring_is_named_by_its_neighbour():
+    """Rank 1 stops answering in the middle of the forward (its tiles never return): its
+    neighbour names it, with the ring's transfer it waited for."""
+    lines, _ = _ends_by_watchdog("""
+        from burstmpi.backends import NumpyBackend
+        call()
+        if rank == 1:
+            NumpyBackend.fwd_block = lambda *a, **k: time.sleep(600)
+        call()
+    """)
+    assert any("in BurstAttention.forward" in line and "the ring's packet" in line and "rank 1 (" in line
+               for line in lines), lines
+
+
+def test_an_uncaught_exception_on_one_rank_ends_the_job_without_mpi4py_runner():
+    """A script run without ``-m mpi4py`` whose rank 1 raises: that rank's traceback, the
+    watchdog's line, and the job ends at once with exit 1 (no deadline to wait for)."""
+    lines, out = _ends_by_watchdog("""
+        call()
+        if rank == 1:
+            raise ValueError("only rank 1 fails")
+        call()
+    """, code=watchdog.EXIT_EXCEPTION, most=TIMEOUT + 10)
+    assert "ValueError: only rank 1 fails" in out
+    assert any("rank 1 (" in line and "uncaught ValueError" in line for line in lines), lines
+
+
+def test_the_bench_keeps_its_deadline_on_its_own_collectives():
+    """``guarded``: a pickled collective one rank never joins ends the job by the deadline."""
+    lines, _ = _ends_by_watchdog(f"""
+        from burstmpi.transport.watchdog import guarded
+        comm = guarded(MPI.COMM_WORLD, {TIMEOUT}, who="test")
+        assert isinstance(comm, MPI.Intracomm)
+        if rank != 2:
+            comm.allreduce(1)
+        time.sleep(60)
+    """)
+    assert any("test: allreduce did not complete" in line for line in lines), lines
+
+
+# -- in-process pieces -----------------------------------------------------------------------
+
+class Expired(Exception):
+    pass
+
+
+@pytest.fixture
+def no_abort(monkeypatch):
+    """``_abort`` raises instead of ending the test process; the lines printed are kept."""
+    calls = []
+
+    def fake(code):
+        calls.append(code)
+        raise Expired(code)
+
+    monkeypatch.setattr(watchdog, "_abort", fake)
+    return calls
+
+
+def test_complete_returns_at_once_when_done_and_expires_with_the_pending_peers(no_abort, capsys):
+    comm = MPI.COMM_SELF
+    buf = bytearray(8)
+    done = comm.Isend([buf, MPI.BYTE], dest=0, tag=1)
+    got = comm.Irecv([bytearray(8), MPI.BYTE], source=0, tag=1)
+    watchdog.complete([done, got], timeout=1.0)
+    never = comm.Irecv([bytearray(8), MPI.BYTE], source=0, tag=2)  # nobody sends it
+    t0 = time.monotonic()
+    with pytest.raises(Expired):
+        watchdog.complete([never], idle=True, timeout=0.2,
+                          expired=watchdog.peers_expired(comm, [("receive the test's packet from", 0)], "a test"))
+    assert 0.2 <= time.monotonic() - t0 < 5
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(watchdog.PREFIX) and "a test: waited 0 s to receive the test's packet from rank 0" in line
+    assert line.endswith(f"exit {watchdog.EXIT_TIMEOUT})") and no_abort == [watchdog.EXIT_TIMEOUT]
+    never.Cancel()
+    never.Wait()
+
+
+def test_guard_fires_from_its_thread_and_not_when_the_body_ends_in_time(monkeypatch):
+    fired = []
+    monkeypatch.setattr(watchdog, "expire", lambda text, code=watchdog.EXIT_TIMEOUT: fired.append(text))
+    with watchdog.guard("a quick call", 0.5):
+        pass
+    with watchdog.guard("a slow call", 0.2):
+        deadline = time.monotonic() + 5
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
+    time.sleep(0.7)  # past the quick call's deadline: it was disarmed
+    assert len(fired) >= 1 and all(f.startswith("a slow call did not complete within") for f in fired), fired
+    assert threading.current_thread() is threading.main_thread()
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "30", True])
+def test_timeout_must_be_positive_seconds(bad):
+    with pytest.raises(ValueError, match=r"^f: timeout: expected a finite number of seconds > 0"):
+        watchdog.check_timeout("f", bad)
+
+
+def test_the_environment_sets_the_default_and_the_old_name_warns(monkeypatch):
+    from burstmpi.config import settings
+
+    monkeypatch.delenv("BURSTMPI_TIMEOUT", raising=False)
+    monkeypatch.delenv("BURSTMPI_NCCL_TIMEOUT", raising=False)
+    assert settings().timeout == watchdog.DEFAULT_TIMEOUT
+    monkeypatch.setenv("BURSTMPI_TIMEOUT", "12.5")
+    assert settings().timeout == 12.5
+    monkeypatch.delenv("BURSTMPI_TIMEOUT")
+    monkeypatch.setenv("BURSTMPI_NCCL_TIMEOUT", "40")
+    with pytest.warns(DeprecationWarning, match="BURSTMPI_TIMEOUT"):
+        assert settings().timeout == 40.0
+    monkeypatch.setenv("BURSTMPI_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="BURSTMPI_TIMEOUT"):
+        settings()
+
+
+def test_who_names_world_ranks_and_their_hosts():
+    watchdog.learn_hosts(MPI.COMM_SELF, ["node-a"])
+    me = MPI.COMM_WORLD.Get_rank()
+    assert watchdog.who(MPI.COMM_SELF, [0]) == f"rank {me} (node-a)"
