@@ -125,6 +125,9 @@ def pingpong(mbytes):
     ``check`` and ``predict`` want for the links."""
     from mpi4py import MPI
 
+    from ..config import settings
+    from ..transport.watchdog import guard
+
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:
         raise click.UsageError("run under mpiexec -n 2")
@@ -132,16 +135,17 @@ def pingpong(mbytes):
     big, small = np.zeros(mbytes << 20, np.uint8), np.zeros(8, np.uint8)
 
     def rtt(buf, reps):
-        comm.Barrier()
-        t0 = MPI.Wtime()
-        for _ in range(reps):
-            if comm.Get_rank() == 0:
-                comm.Send(buf, peer)
-                comm.Recv(buf, peer)
-            else:
-                comm.Recv(buf, peer)
-                comm.Send(buf, peer)
-        return (MPI.Wtime() - t0) / reps
+        with guard(f"pingpong of {buf.nbytes} bytes", settings().timeout):  # a peer that dies ends the job
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            for _ in range(reps):
+                if comm.Get_rank() == 0:
+                    comm.Send(buf, peer)
+                    comm.Recv(buf, peer)
+                else:
+                    comm.Recv(buf, peer)
+                    comm.Send(buf, peer)
+            return (MPI.Wtime() - t0) / reps
 
     rtt(big, 1)
     lat = rtt(small, 200) / 2

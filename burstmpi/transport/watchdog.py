@@ -41,7 +41,7 @@ from mpi4py import MPI
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_EXCEPTION", "DEFAULT_TIMEOUT", "PREFIX", "complete", "guard", "guarded",
            "allgather", "bcast", "GuardedComm",
-           "expire", "entering", "leaving", "current_call", "learn_hosts", "who", "check_timeout", "install_excepthook"]
+           "expire", "entering", "leaving", "learn_hosts", "who", "check_timeout", "install_excepthook"]
 
 EXIT_TIMEOUT = 75     # sysexits' EX_TEMPFAIL: the job did not fail by itself; a rerun may pass
 EXIT_EXCEPTION = 1    # an uncaught exception on one rank (``install_excepthook``), as Python exits
@@ -52,7 +52,7 @@ PREFIX = "burstmpi watchdog: "
 ABORT_GRACE_S = 5.0
 
 _hosts = {}           # COMM_WORLD rank -> processor name, learned by the runtimes
-_call = [None, 0.0]   # the burstmpi call in progress on this rank, and since when
+_call = [None]        # the burstmpi call in progress on this rank
 
 
 def check_timeout(fn, timeout):
@@ -95,16 +95,12 @@ def entering(name):
     """This rank enters the burstmpi call ``name`` (``BurstAttention.forward``,
     ``KVCache.decode``, ...; ``Runtime.begin``), named in the watchdog's line until
     ``leaving``."""
-    _call[:] = [name, time.monotonic()]
+    _call[0] = name
 
 
 def leaving():
     """The call's last wait is done (``Runtime.finish``)."""
-    _call[:] = [None, 0.0]
-
-
-def current_call():
-    return _call[0]
+    _call[0] = None
 
 
 def _me():
