@@ -7,15 +7,17 @@ from mpi4py import MPI
 from .interop import like, to_host
 from .masks.layout import LAYOUTS, layout_of
 from .plan import BurstAttention
+from .config import settings
 from .transport.comm import private_comm
+from .transport.watchdog import check_timeout, complete, peers_expired
 from .validate import agree, check_cu_seqlens, fingerprint, global_layout
 
 __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices"]
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None,
-              layout="contiguous", cu_seqlens=None, return_lse=False, mask=None, head_parallel=1,
-              topology="flat"):
+              layout=None, cu_seqlens=None, return_lse=False, mask=None, head_parallel=1,
+              topology="flat", timeout=None):
     """Exact softmax attention over a sequence spread across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own part of the sequence.
@@ -37,8 +39,12 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
         Sliding window on global positions (flash-attn convention): keys
         ``i - left <= j <= i + right``, -1 unbounded. With ``causal`` right must be 0 or -1.
     softmax_scale : float, default ``1/sqrt(head_dim)``
-    layout : {"contiguous", "zigzag", "striped"}
-        Which global positions each rank's rows hold (see ``shard``).
+    layout : {"contiguous", "zigzag", "striped"}, optional
+        Which global positions each rank's rows hold: the layout you sharded with
+        (``shard(x, layout=...)``). Required over several ranks with ``causal``,
+        ``window``, ``mask`` or ``cu_seqlens``, where the result depends on it: left out
+        there, every rank raises a ValueError saying so (no default that could be silently
+        wrong). Elsewhere None means "contiguous".
     cu_seqlens : 1-D integer array, optional
         Packed documents, flash-attn's convention: global offsets ``0 = c[0] <= c[1] <=
         ... <= c[-1] = N``; document i is tokens ``c[i]:c[i+1]`` (empty documents are
@@ -57,6 +63,11 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     topology : {"flat", "two-level", "auto"}
         One ring, or a ring in each node and one between nodes (``burstmpi.ring.twolevel``; see
         ``BurstAttention``).
+    timeout : float, optional
+        Seconds; None takes ``BURSTMPI_TIMEOUT`` (default 300). Every wait on other ranks
+        has this deadline; on expiry the job is aborted with exit code 75 and a
+        ``burstmpi watchdog:`` line naming who it waited for; see
+        ``docs/guide/configuration.md``.
 
     Returns
     -------
@@ -65,14 +76,16 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
         only with ``return_lse``. Rows that see no key give ``out = 0`` and ``lse = -inf``.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout, mask=mask, head_parallel=head_parallel, topology=topology)
+                          layout=layout, mask=mask, head_parallel=head_parallel, topology=topology,
+                          timeout=timeout)
+    plan.caller = "attention"
     out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, window=None,
-                       softmax_scale=None, layout="contiguous", cu_seqlens=None, bwd_comm="auto", mask=None,
-                       head_parallel=1, topology="flat"):
+                       softmax_scale=None, layout=None, cu_seqlens=None, bwd_comm="auto", mask=None,
+                       head_parallel=1, topology="flat", timeout=None):
     """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to this rank's q, k, v.
 
     ``out`` and ``lse`` are the forward's results (``return_lse=True``); the other
@@ -80,10 +93,18 @@ def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, wind
     what circulates: "burst" (Q, dO, dQ), "ring" (K, V, dK, dV) or "auto" (fewer bytes).
     Gradients are accumulated in float32 (float64 for float64 inputs) across every ring
     step and returned in the dtype and kind of the inputs.
+
+    ``layout`` is required as in ``attention``: over several ranks with ``causal``,
+    ``window``, ``mask`` or ``cu_seqlens``, left out it raises on every rank. ``timeout``
+    (seconds; None takes ``BURSTMPI_TIMEOUT``, default 300): every wait on other ranks has
+    this deadline; on expiry the job is aborted with exit code 75 and a
+    ``burstmpi watchdog:`` line naming who it waited for; see
+    ``docs/guide/configuration.md``.
     """
     plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
                           layout=layout, bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel,
-                          topology=topology)
+                          topology=topology, timeout=timeout)
+    plan.caller = "attention_backward"
     return plan.backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens)
 
 
@@ -104,6 +125,11 @@ def shard_indices(n, *, comm=None, layout="contiguous", cu_seqlens=None):
     evenly as possible (chunk sizes differ by at most one token, larger chunks first);
     zigzag cuts 2P chunks, or with ``cu_seqlens`` zigzags each document of at least 2P
     tokens and keeps shorter ones whole (see ``burstmpi.masks.layout``). Local; no communication.
+
+    ``layout`` defaults to "contiguous" here (where tokens go is the caller's choice), but
+    the calls do not guess: pass the same ``layout=`` to ``attention`` and the others
+    wherever their result depends on it (several ranks with a causal mask, a window, a
+    mask or documents; ``docs/guide/sharding.md``).
     """
     fn = "shard_indices"
     _check_layout(fn, layout)
@@ -117,7 +143,11 @@ def shard_indices(n, *, comm=None, layout="contiguous", cu_seqlens=None):
 def shard(x, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None):
     """Return this rank's part of the global array ``x`` along ``axis``: the rows at
     ``shard_indices(x.shape[axis], layout=..., cu_seqlens=...)``. Any length works.
-    Local; no communication."""
+    Local; no communication.
+
+    ``layout`` defaults to "contiguous", but ``attention`` and the other calls have no
+    default where the layout changes their result: pass them the layout used here.
+    """
     fn = "shard"
     comm = _comm(comm)
     _check_layout(fn, layout)
@@ -131,11 +161,16 @@ def shard(x, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None):
     return like(part, x)
 
 
-def unshard(x_local, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None):
+def unshard(x_local, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None, timeout=None):
     """Return the global array on every rank, from each rank's ``x_local`` (the inverse of
-    ``shard`` with the same ``layout`` and ``cu_seqlens``). Collective."""
+    ``shard`` with the same ``layout`` and ``cu_seqlens``). Collective; each of its waits
+    ends within ``timeout`` seconds (default ``BURSTMPI_TIMEOUT``), as ``attention``'s.
+
+    ``layout`` defaults to "contiguous" as in ``shard``; give the one the parts were made
+    with (the calls require it where it matters: ``shard``'s docstring)."""
     fn = "unshard"
-    comm = private_comm(_comm(comm))
+    timeout = settings().timeout if timeout is None else check_timeout(fn, timeout)
+    comm = private_comm(_comm(comm), timeout)
     error, h, cu = None, None, None
     try:
         _check_layout(fn, layout)
@@ -148,7 +183,7 @@ def unshard(x_local, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None)
     sig = (("layout", layout), ("axis", axis), ("x_local.shape (but the sequence axis)", shape),
            ("x_local.dtype", None if h is None else str(h.dtype)), ("cu_seqlens", fingerprint(cu)))
     length = 0 if h is None or not isinstance(axis, int) else h.shape[axis]
-    lengths = agree(comm, fn, error, sig, length)
+    lengths = agree(comm, fn, error, sig, length, timeout=timeout)
     P = comm.Get_size()
     lay = global_layout(fn, f"x_local.shape[{axis}]", layout, P, lengths, cu)
     mine = np.ascontiguousarray(np.moveaxis(h, axis, 0))
@@ -156,8 +191,9 @@ def unshard(x_local, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None)
     counts = [int(n) * row for n in lengths]
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
     gathered = np.empty((lay.seqlen,) + mine.shape[1:], dtype=mine.dtype)
-    comm.Allgatherv([mine.view(np.uint8).reshape(-1), MPI.BYTE],
-                    [gathered.view(np.uint8).reshape(-1), (counts, displs), MPI.BYTE])
+    complete([comm.Iallgatherv([mine.view(np.uint8).reshape(-1), MPI.BYTE],
+                               [gathered.view(np.uint8).reshape(-1), (counts, displs), MPI.BYTE])],
+             timeout=timeout, expired=peers_expired(comm, (), f"{fn}: the allgather of every rank's part"))
     full = np.empty_like(gathered)
     full[lay.all_positions()] = gathered
     return like(np.moveaxis(full, 0, axis), x_local)

@@ -81,7 +81,8 @@ class HeadParallel:
         rt = plan.runtime
         inner = type(plan)(ring, causal=plan.causal, window=plan.window_arg, softmax_scale=plan.softmax_scale,
                           layout=plan.layout_name, bwd_comm=plan.bwd_comm, backend=rt.backend_name,
-                          transport=rt.transport_name, device=rt.device_arg, topology=plan.topology)
+                          transport=rt.transport_name, device=rt.device_arg, topology=plan.topology,
+                          timeout=rt.timeout)
         inner.layout_name = f"{plan.layout_name}/{u}"  # each group's tokens merged (burstmpi.masks.layout)
         if rt.backend is not None and rt.backend.name not in ("numpy", "cuda"):
             inner.backend = rt.backend  # one put in the plan's place (the tests' emulated kernels) serves the ring

@@ -1,7 +1,7 @@
 """``burstmpi.jax``: burstmpi's attention as a differentiable JAX function, eager or jitted.
 
     import burstmpi.jax as bj
-    loss = lambda q, k, v: bj.attention(q, k, v, causal=True).sum()
+    loss = lambda q, k, v: bj.attention(q, k, v, causal=True, layout="zigzag").sum()
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)      # collective, every rank
 
 ``attention`` is a ``jax.custom_vjp`` whose forward and backward are burstmpi's own, run
@@ -89,25 +89,33 @@ def _on_gpu(x):
         return False
 
 
-def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout="contiguous",
-              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat"):
+def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout=None,
+              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat", timeout=None):
     """``burstmpi.attention`` as a differentiable function of JAX arrays q, k, v (eager, or
     inside ``jax.jit``/``jax.grad``). Shapes, masks, ``head_parallel``, ``topology``, documents and layouts as in
     ``burstmpi.attention`` (this rank's part of the sequence; ``cu_seqlens`` a list or
     NumPy array, and ``mask`` a ``burstmpi.masks`` mask: static, like a shape). Returns out like q. Collective over ``comm`` in the
-    forward and in the backward; every rank must trace and run the same program."""
+    forward and in the backward; every rank must trace and run the same program.
+
+    ``layout`` is required as in ``burstmpi.attention``: over several ranks with
+    ``causal``, ``window``, ``mask`` or ``cu_seqlens``, left out it raises on every rank
+    (when the forward runs). ``timeout`` (seconds; None takes ``BURSTMPI_TIMEOUT``, default
+    300): every wait on other ranks has this deadline; on expiry the job is aborted with
+    exit code 75 and a ``burstmpi watchdog:`` line naming who it waited for; see
+    ``docs/guide/configuration.md``."""
     comm = MPI.COMM_WORLD if comm is None else comm
     cu = check_cu_seqlens("burstmpi.jax.attention", cu_seqlens)
     check_mask("burstmpi.jax.attention", mask)  # before it is hashed into the key
     key = (comm.py2f(), bool(causal), None if window is None else tuple(window), softmax_scale, layout,
-           bwd_comm, fingerprint(cu), mask, head_parallel, topology)
+           bwd_comm, fingerprint(cu), mask, head_parallel, topology, timeout)
     fn = _FUNCS.get(key)
     if fn is None:
         if len(_FUNCS) >= _KEPT:
             _FUNCS.pop(next(iter(_FUNCS)))
         plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
                               bwd_comm=bwd_comm, backend="numpy", mask=mask, head_parallel=head_parallel,
-                              topology=topology)
+                              topology=topology, timeout=timeout)
+        plan.caller = "burstmpi.jax.attention"
         fn = _FUNCS[key] = _build(plan, cu)
     if not _warned and any(_on_gpu(x) for x in (q, k, v)):
         _warned.append(True)

@@ -21,7 +21,9 @@ from .ring.stats import PhaseStats
 from .runtime import Runtime
 from .transport.comm import rows_bytes
 from .transport.links import link_speeds
-from .validate import check_backward, check_cu_seqlens, check_forward, check_options, fingerprint, global_layout
+from .transport.watchdog import allgather
+from .validate import (check_backward, check_cu_seqlens, check_forward, check_layout_given, check_options,
+                       fingerprint, global_layout, layout_dependence)
 
 __all__ = ["BurstAttention", "PhaseStats", "Stats"]
 
@@ -82,8 +84,12 @@ class BurstAttention:
         skips the steps, transfers, rows and tiles it leaves invisible.
     softmax_scale : float, optional
         Multiplies Q K^T; default ``1 / sqrt(head_dim)``.
-    layout : {"contiguous", "zigzag", "striped"}
-        How the global sequence is spread over ranks (see ``burstmpi.shard``).
+    layout : {"contiguous", "zigzag", "striped"}, optional
+        How the global sequence is spread over ranks: the layout the inputs were sharded
+        with (``burstmpi.shard(x, layout=...)``). Required where the result depends on it:
+        over several ranks with ``causal``, ``window``, ``mask`` or ``cu_seqlens``; a call
+        without it there raises on every rank rather than guessing. Left out (None) it
+        means "contiguous", where the layout cannot change the result.
     bwd_comm : {"auto", "burst", "ring", "two-way"}
         What circulates in the backward: Q/dO/dQ ("burst"), K/V/dK/dV ("ring"), both K/V
         and Q/dO two ways with no gradient partial ("two-way", ``burstmpi.ring.twoway``; from 3
@@ -126,9 +132,14 @@ class BurstAttention:
         inside each group), and the ring runs over the P/u groups (``burstmpi.heads``).
         Inputs and results stay each rank's sequence shard. u must divide the ranks and
         the query heads, and divide or be a multiple of the K/V heads.
+    timeout : float, optional
+        Seconds; None takes ``BURSTMPI_TIMEOUT`` (default 300). Every wait on other ranks
+        has this deadline; on expiry the job is aborted with exit code 75 and a
+        ``burstmpi watchdog:`` line naming who it waited for; see
+        ``docs/guide/configuration.md``.
     runtime : burstmpi.runtime.Runtime, optional
         Run on another plan's runtime (``KVCache`` does, for its prefill) instead of
-        building one from ``comm``, ``backend``, ``transport`` and ``device``.
+        building one from ``comm``, ``backend``, ``transport``, ``device`` and ``timeout``.
 
     Notes
     -----
@@ -145,18 +156,22 @@ class BurstAttention:
     """
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
-                 layout="contiguous", bwd_comm="auto", backend="auto", transport="auto", device=None,
-                 runtime=None, mask=None, head_parallel=1, topology="flat"):
+                 layout=None, bwd_comm="auto", backend="auto", transport="auto", device=None,
+                 runtime=None, mask=None, head_parallel=1, topology="flat", timeout=None):
         fn = "BurstAttention"
         check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
                       bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel, topology=topology)
         self.topology = topology
         self.runtime = runtime if runtime is not None else Runtime(
-            fn, comm, backend=backend, transport=transport, device=device)
+            fn, comm, backend=backend, transport=transport, device=device, timeout=timeout)
         self.causal, self.window_arg = bool(causal), None if window is None else tuple(window)
         self.window = Bounds(causal, window)
         self.mask = mask
-        self.softmax_scale, self.layout_name, self.bwd_comm = softmax_scale, layout, bwd_comm
+        # ``layout_arg``: as given (None: not given, agreed on and checked per call in
+        # ``_prepare``); ``layout_name``: what runs, "contiguous" for None.
+        self.layout_arg, self.layout_name = layout, "contiguous" if layout is None else layout
+        self.softmax_scale, self.bwd_comm = softmax_scale, bwd_comm
+        self.caller = None  # the public function that made this plan, if not the user (its errors name it)
         self.head_parallel = int(head_parallel)
         self.kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``; burstmpi.heads)
         self._heads = HeadParallel(self, self.head_parallel) if self.head_parallel > 1 else None
@@ -228,7 +243,7 @@ class BurstAttention:
     def _options(self):
         rt = self.runtime
         return (("causal", self.causal), ("window", self.window_arg),
-                ("softmax_scale", self.softmax_scale), ("layout", self.layout_name),
+                ("softmax_scale", self.softmax_scale), ("layout", self.layout_arg),
                 ("bwd_comm", self.bwd_comm), ("backend", rt.backend_name),
                 ("transport", rt.transport_name), ("head_parallel", self.head_parallel),
                 ("topology", self.topology),
@@ -249,6 +264,10 @@ class BurstAttention:
             conv = rt.convert(fn, arrays)
             dims = check(conv)
             cu = check_cu_seqlens(fn, cu_seqlens)
+            # No default where the layout changes the result: shards made with another one
+            # would be silently wrong. Raised through ``agree`` below, so on every rank.
+            check_layout_given(self.caller or fn, self.layout_arg, self.nranks,
+                               layout_dependence(self.causal, self.window_arg, self.mask, cu))
             if self._heads is not None:
                 check_head_parallel(fn, self.head_parallel, self.nranks, rt.nodes, dims[2], dims[3])
             if self._heads is None and self._ring_topology(kind) == "two-level":
@@ -334,7 +353,7 @@ class BurstAttention:
             nodes = self.runtime.nodes
             if where not in self._links:
                 gpu = dict(transport=self.transport, alloc=self.backend.alloc) if where == "cuda" else {}
-                self._links[where] = link_speeds(self.comm, nodes, **gpu)
+                self._links[where] = link_speeds(self.comm, nodes, timeout=self.runtime.timeout, **gpu)
             intra, inter = self._links[where]
             B, _, Z, Zkv, d, dv = dims
             shape = Shape(B, self.layout.seqlen, Z, Zkv, d, dv, np.dtype(dtype).itemsize, self.causal, self.window_arg)
@@ -413,7 +432,8 @@ class BurstAttention:
         geo = self.geometry
         busiest = self._loads.get(geo)  # keyed by the object itself (identity): it stays alive
         if busiest is None:
-            every = self.comm.allgather(geo.loads(self.rank))
+            every = allgather(self.comm, geo.loads(self.rank), self.runtime.timeout,
+                              "the allgather of the ranks' loads (bwd_comm='auto')")
             if len(self._loads) >= 32:
                 self._loads.pop(next(iter(self._loads)))
             busiest = self._loads[geo] = {"burst": max(b for b, _ in every), "ring": max(r for _, r in every)}

@@ -35,20 +35,21 @@ _PLANS = {}
 _PLANS_KEPT = 16
 
 
-def _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology):
+def _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout):
     """The plan for these options, kept so its ring buffers are reused from step to step."""
     comm = MPI.COMM_WORLD if comm is None else comm
     handle = comm.py2f() if isinstance(comm, MPI.Comm) else id(comm)
     check_mask("burstmpi.torch.attention", mask)  # before it is hashed into the key
     key = (handle, bool(causal), None if window is None else tuple(window), softmax_scale, layout, bwd_comm, mask,
-           head_parallel, topology)
+           head_parallel, topology, timeout)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
                                             layout=layout, bwd_comm=bwd_comm, mask=mask,
-                                            head_parallel=head_parallel, topology=topology)
+                                            head_parallel=head_parallel, topology=topology, timeout=timeout)
+        plan.caller = "burstmpi.torch.attention"
     return plan
 
 
@@ -80,17 +81,22 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout="contiguous",
-              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat"):
+def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout=None,
+              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat", timeout=None):
     """``burstmpi.attention`` as a differentiable function of torch tensors q, k, v.
 
     Shapes, masks (``mask=``: ``burstmpi.masks``), ``head_parallel``, ``topology``, documents and layouts as in ``burstmpi.attention`` (this rank's part of
     the sequence; ``cu_seqlens`` a list, NumPy array or CPU tensor of global offsets).
+    ``layout`` is required as there: over several ranks with ``causal``, ``window``,
+    ``mask`` or ``cu_seqlens``, left out it raises on every rank. ``timeout`` (seconds;
+    None takes ``BURSTMPI_TIMEOUT``, default 300): every wait on other ranks has this
+    deadline; on expiry the job is aborted with exit code 75 and a ``burstmpi watchdog:``
+    line naming who it waited for; see ``docs/guide/configuration.md``.
     Returns out like q. Collective over ``comm`` in the forward and in the backward."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"burstmpi.torch.attention: {name}: expected a torch.Tensor, got {type(x).__name__}")
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    plan = _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology)
+    plan = _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout)
     return _Attention.apply(q, k, v, plan, cu_seqlens)

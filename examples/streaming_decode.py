@@ -29,8 +29,8 @@ q, k, v = (rng.standard_normal((B, total, h, D), dtype=np.float32) for h in (H, 
 
 cache = burstmpi.KVCache(capacity=SINKS + LEFT + 1, batch=B, kv_heads=HKV, head_dim=D, window=(LEFT, 0),
                          sinks=SINKS)
-shard = lambda x: burstmpi.shard(x[:, :PROMPT])
-cache.prefill(shard(q), shard(k), shard(v))
+shard = lambda x: burstmpi.shard(x[:, :PROMPT], layout="contiguous")
+cache.prefill(shard(q), shard(k), shard(v), layout="contiguous")  # the layout it was sharded with
 
 mask = Sinks(SINKS) | Window(LEFT, 0)
 worst, moved, t0 = 0.0, set(), time.perf_counter()

@@ -22,6 +22,7 @@ from conftest import MULTIRANK, NRANKS
 
 HERE = Path(__file__).resolve().parent
 SUITE = ["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_interop.py",
+         "api/test_layout_required.py", "api/test_timeout_keyword.py",
          "ring/test_twoway.py", "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py",
          "ring/test_twolevel.py", "masks/test_masks.py", "transport/test_shm.py",
          "backends/test_kernel_backend.py", "backends/test_cpu_kernels.py", "backends/test_cpu_packed.py",
@@ -38,7 +39,8 @@ RANKS = [2, 3, 4, 8]
 # tests (the bench's table, the tile loops, the workspace, interop, the GPU runtime's
 # fakes, the decode kernels) run at 1 to 4. 5 ranks ran the suite without the emulator
 # until 2026-12-03: 3 is the odd count now.
-AT_8 = (["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "ring/test_twoway.py",
+AT_8 = (["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_layout_required.py",
+         "ring/test_twoway.py",
          "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py", "ring/test_twolevel.py",
          "masks/test_masks.py", "transport/test_shm.py", "decode/test_decode.py", "backends/test_cpu_packed.py"],
         "not emulated and not bitmap")
@@ -47,7 +49,7 @@ SELECT = {8: AT_8}
 # and training steps, torch's DLPack interop, the GPU runtime's CuPy/NCCL side): .ci/run's
 # second phase, with the packages installed (pytest -m extras).
 EXTRAS = ["adapters/test_adapter_torch.py", "adapters/test_adapter_jax.py", "api/test_interop.py",
-          "gpu/test_gpu_runtime.py"]
+          "api/test_layout_required.py", "api/test_timeout_keyword.py", "gpu/test_gpu_runtime.py"]
 OPTIONAL = ["torch", "jax", "cupy"]
 MPIEXEC = shutil.which("mpiexec")
 

@@ -47,7 +47,8 @@ from ..masks import Sinks, Window
 from ..masks.layout import LAYOUTS
 from ..plan import BurstAttention
 from ..runtime import Runtime
-from ..validate import SUPPORTED_DTYPES, check_forward, check_options, fingerprint, global_layout, report
+from ..validate import (SUPPORTED_DTYPES, check_forward, check_layout_given, check_options, fingerprint,
+                        global_layout, report)
 from .exchange import FAILED, OK, RESHAPE, Exchange
 from .slots import SlotStore, host
 
@@ -130,13 +131,20 @@ class KVCache(SlotStore, Exchange):
         as host arrays; GPU arrays given to a host cache raise.
     device : int, optional
         The CUDA device of this rank (default: node-local rank modulo the visible GPUs).
+    timeout : float, optional
+        Seconds; None takes ``BURSTMPI_TIMEOUT`` (default 300). Every wait on other ranks
+        has this deadline; on expiry the job is aborted with exit code 75 and a
+        ``burstmpi watchdog:`` line naming who it waited for; see
+        ``docs/guide/configuration.md``.
 
     Notes
     -----
     Calls (collective over ``comm``): ``prefill(q, k, v, layout=...)`` fills an empty
     cache from a prompt sharded like ``burstmpi.shard`` makes it and returns this rank's
     out; ``load(k, v, layout=...)`` fills it with a prompt's keys and values (called again:
-    appends a piece) without computing attention (a prefill done elsewhere);
+    appends a piece) without computing attention (a prefill done elsewhere); both need
+    ``layout=`` over several ranks, where the prompt's tokens sit decides the result and
+    the cached positions;
     ``decode(q, k, v, return_lse=False)``
     appends T new tokens and returns their out, the same on every rank; ``seqlen`` is the
     number of tokens cached; ``release()`` frees the memory (the cache cannot be used
@@ -145,7 +153,8 @@ class KVCache(SlotStore, Exchange):
     """
 
     def __init__(self, comm=None, *, capacity, batch, kv_heads, head_dim, v_head_dim=None,
-                 dtype=np.float32, softmax_scale=None, window=None, sinks=0, backend="auto", device=None):
+                 dtype=np.float32, softmax_scale=None, window=None, sinks=0, backend="auto", device=None,
+                 timeout=None):
         fn = "KVCache"
         self.capacity = _count(fn, "capacity", capacity)
         if self.capacity >= 2 ** 31:
@@ -155,7 +164,7 @@ class KVCache(SlotStore, Exchange):
         self.head_dim = _count(fn, "head_dim", head_dim)
         self.v_head_dim = self.head_dim if v_head_dim is None else _count(fn, "v_head_dim", v_head_dim)
         self.dtype = _dtype(fn, dtype)
-        check_options(fn, causal=True, window=window, softmax_scale=softmax_scale, layout="contiguous")
+        check_options(fn, causal=True, window=window, softmax_scale=softmax_scale, layout=None)
         self.softmax_scale = softmax_scale
         self.window = None if window is None else tuple(int(w) for w in window)
         self.left = -1 if window is None else self.window[0]
@@ -167,7 +176,7 @@ class KVCache(SlotStore, Exchange):
         if self.sinks and self.capacity <= self.sinks:
             raise ValueError(f"{fn}: capacity: expected more than sinks={self.sinks} tokens (the sinks, the window "
                              f"and one call's tokens), got {self.capacity}")
-        self.runtime = Runtime(fn, comm, backend=backend, device=device)
+        self.runtime = Runtime(fn, comm, backend=backend, device=device, timeout=timeout)
         P = self.runtime.nranks
         # The window's ring buffer: its share of what is not a sink.
         self.slots = -(-(self.capacity - self.sinks) // P) + (1 if P > 1 else 0)
@@ -298,16 +307,21 @@ class KVCache(SlotStore, Exchange):
 
     # -- prefill ----------------------------------------------------------------------------
 
-    def prefill(self, q, k, v, *, layout="contiguous"):
+    def prefill(self, q, k, v, *, layout=None):
         """Fill the empty cache from a prompt: ``q``, ``k``, ``v`` are this rank's part
         (``burstmpi.shard(x, layout=layout)``). Runs the ring's causal forward (with the
         cache's window and scale), keeps the keys and values, returns this rank's out.
+
+        ``layout`` is the one the prompt was sharded with: required over several ranks
+        (the causal forward and the positions kept depend on it; left out, every rank
+        raises), optional on one (None: "contiguous").
 
         Chunked prefill (a prompt after cached tokens) is ``decode`` with the chunk: it
         takes any number of new tokens, the same on every rank, and attends them to
         everything cached. ``prefill`` on a non-empty cache raises and says so."""
         fn = "KVCache.prefill"
         h, lay, Z = self._admit(fn, {"q": q, "k": k, "v": v}, layout)
+        layout = lay.name  # None (one rank) runs as "contiguous"
         plan = self._plans.get(layout)
         if plan is None:
             # With sinks a query sees them or its window: the union, not the window alone.
@@ -320,7 +334,7 @@ class KVCache(SlotStore, Exchange):
         self._keep(fn, h, lay, Z)
         return out
 
-    def load(self, k, v, *, layout="contiguous"):
+    def load(self, k, v, *, layout=None):
         """Put a prompt's keys and values in the cache (this rank's part, as
         ``burstmpi.shard(x, layout=layout)`` gives it) without computing attention: for a
         prefill done elsewhere, or a benchmark. Collective.
@@ -330,7 +344,10 @@ class KVCache(SlotStore, Exchange):
         hold twice (once in the caller's arrays, once in the cache) is loaded in pieces. The
         pieces must spread evenly over the ranks (a multiple of P tokens each; the last may
         be shorter): a piece that would leave a rank without room for the tokens the decode
-        deals it later raises, on every rank. With a window only the live tail is kept."""
+        deals it later raises, on every rank. With a window only the live tail is kept.
+
+        ``layout`` is required over several ranks, as in ``prefill`` (the cached positions
+        depend on it), and optional on one."""
         fn = "KVCache.load"
         h, lay, _ = self._admit(fn, {"k": k, "v": v}, layout, append=True)
         self._keep(fn, h, lay, self.heads)
@@ -343,8 +360,13 @@ class KVCache(SlotStore, Exchange):
         error, h, C, Z = None, None, 0, None
         self._begin(fn, arrays)
         try:
-            if layout not in LAYOUTS:
+            if layout is not None and layout not in LAYOUTS:
                 raise ValueError(f"{fn}: layout: expected one of {LAYOUTS}, got {layout!r}")
+            # The cache is causal and keeps each token at its global position: no default
+            # over several ranks (raised through the agreement below, on every rank).
+            check_layout_given(fn, layout, rt.nranks, "a causal KV cache",
+                               why=("the positions it keeps" if append else "the prefill's result and the positions "
+                                    "it keeps") + " depend on which tokens each rank holds")
             h = self._local(fn, arrays)
             C, Z = self._check(fn, h, decoding=False)
             if append and self.left < 0 and rt.nranks > 1 and C > self.slots - self._n:
@@ -358,7 +380,7 @@ class KVCache(SlotStore, Exchange):
         except (TypeError, ValueError, NotImplementedError, RuntimeError, MemoryError) as e:
             error = e
         lengths = rt.agree(fn, error, [("layout", layout), ("heads", Z)] + list(self._signature), C)
-        lay = global_layout(fn, "k.shape[1]", layout, rt.nranks, lengths, None)
+        lay = global_layout(fn, "k.shape[1]", layout or "contiguous", rt.nranks, lengths, None)
         N = lay.seqlen
         if self.left < 0 and self.seqlen + N > self.capacity:
             held = f" after the {self.seqlen} cached" if self.seqlen else ""

@@ -123,7 +123,7 @@ def test_jit_runs_the_collectives_every_call_in_order():
 
     @jax.jit
     def two(q, k, v):
-        a = bj.attention(q, k, v, causal=True)
+        a = bj.attention(q, k, v, causal=True, layout="contiguous")
         b = bj.attention(a, k, v, layout="contiguous")  # its output feeds the second call
         return (b ** 2).sum()
 

@@ -113,11 +113,11 @@ def test_any_subset_requires_grad_and_half_precision():
     q, k, v = (torch.tensor(burstmpi.shard(rng.standard_normal((1, N, h, 8)).astype(np.float32)))
                for h in (4, 2, 2))
     q.requires_grad_()
-    out = bt.attention(q, k, v, causal=True)
+    out = bt.attention(q, k, v, causal=True, layout="contiguous")
     out.sum().backward()
     assert q.grad is not None and q.grad.shape == q.shape and k.grad is None and v.grad is None
     qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v))
-    out = bt.attention(qb, kb, vb, causal=True)
+    out = bt.attention(qb, kb, vb, causal=True, layout="contiguous")
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in (qb, kb, vb))
 

@@ -64,7 +64,7 @@ def test_batch_and_scale():
 def test_burst_and_ring_backward_agree():
     q, k, v, do = ref.random_problem(2, 30 * NRANKS, 4, 2, 32, dtype=np.float32, seed=3)
     sh = burstmpi.shard
-    plans = {m: burstmpi.BurstAttention(causal=True, bwd_comm=m) for m in ("burst", "ring")}
+    plans = {m: burstmpi.BurstAttention(causal=True, layout="contiguous", bwd_comm=m) for m in ("burst", "ring")}
     out, lse = plans["burst"].forward(sh(q), sh(k), sh(v))
     g = {m: p.backward(sh(do), sh(q), sh(k), sh(v), out, lse) for m, p in plans.items()}
     for a, b in zip(g["burst"], g["ring"]):
@@ -75,13 +75,13 @@ def test_burst_and_ring_backward_agree():
 
 def test_functional_api_matches_plan():
     q, k, v, do = [burstmpi.shard(x) for x in ref.random_problem(1, 16 * NRANKS, 2, 2, 16, seed=4)]
-    out, lse = burstmpi.attention(q, k, v, causal=True, return_lse=True)
-    out_only = burstmpi.attention(q, k, v, causal=True)
+    out, lse = burstmpi.attention(q, k, v, causal=True, layout="contiguous", return_lse=True)
+    out_only = burstmpi.attention(q, k, v, causal=True, layout="contiguous")
     np.testing.assert_array_equal(out, out_only)
-    plan_out, plan_lse = burstmpi.BurstAttention(causal=True).forward(q, k, v)
+    plan_out, plan_lse = burstmpi.BurstAttention(causal=True, layout="contiguous").forward(q, k, v)
     np.testing.assert_array_equal(out, plan_out)
     np.testing.assert_array_equal(lse, plan_lse)
-    grads = burstmpi.attention_backward(do, q, k, v, out, lse, causal=True)
+    grads = burstmpi.attention_backward(do, q, k, v, out, lse, causal=True, layout="contiguous")
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 

@@ -165,7 +165,7 @@ def test_deterministic_with_documents():
     N = 21 * NRANKS + 4
     cu = random_docs(N, seed=4)
     q, k, v, do = (burstmpi.shard(x, cu_seqlens=cu) for x in ref.random_problem(1, N, 4, 2, 16, seed=5))
-    plan = burstmpi.BurstAttention(causal=True, bwd_comm="burst")
+    plan = burstmpi.BurstAttention(causal=True, layout="contiguous", bwd_comm="burst")
     runs = []
     for _ in range(2):
         out, lse = plan.forward(q, k, v, cu_seqlens=cu)
@@ -222,7 +222,7 @@ def test_bad_cu_seqlens_raise_on_every_rank(cu, exc, words):
     N = 8 * NRANKS
     q = _local(N)
     with pytest.raises(exc) as info:
-        burstmpi.attention(q, q, q, cu_seqlens=cu(N))
+        burstmpi.attention(q, q, q, layout="contiguous", cu_seqlens=cu(N))
     for w in words:
         assert w in str(info.value), f"{w!r} missing from: {info.value}"
     with pytest.raises(exc):
@@ -235,7 +235,7 @@ def test_cu_seqlens_different_on_one_rank_raise_everywhere():
     q = _local(N)
     cu = [0, 3, N] if RANK == 1 else [0, 4, N]
     with pytest.raises(ValueError, match=r"ranks disagree on cu_seqlens: rank 0 has .*rank 1 has"):
-        burstmpi.attention(q, q, q, cu_seqlens=cu)
+        burstmpi.attention(q, q, q, layout="contiguous", cu_seqlens=cu)
 
 
 @needs_ranks(2)

@@ -79,7 +79,7 @@ def _problem(seed, Zkv):
 @pytest.mark.parametrize("Zkv", [1, 4])  # one KV head: the working layout is the caller's
 @pytest.mark.parametrize("causal", [False, True])
 def test_results_stay_the_callers_and_reuse_changes_nothing(Zkv, causal):
-    plan = burstmpi.BurstAttention(causal=causal)
+    plan = burstmpi.BurstAttention(causal=causal, layout="contiguous")
     a, b = _problem(1, Zkv), _problem(2, Zkv)
     plan.forward(*a[:3])
     plan.backend.outputs.smallest = 0  # every result from the pool, however small
@@ -95,7 +95,7 @@ def test_results_stay_the_callers_and_reuse_changes_nothing(Zkv, causal):
         assert np.array_equal(x, y), "a later call changed an earlier call's result"
     # The second call reused working arrays that held the first's values: the same bits
     # as a plan of its own.
-    for x, y in zip(second, run(burstmpi.BurstAttention(causal=causal), b)):
+    for x, y in zip(second, run(burstmpi.BurstAttention(causal=causal, layout="contiguous"), b)):
         assert np.array_equal(x, y), "reused working arrays changed a result"
     addrs = {x.ctypes.data for x in first if x.nbytes}
     del first, x
@@ -126,11 +126,11 @@ def test_reuse_across_shapes_dtypes_and_threads(dtype, monkeypatch):
         out, lse = p.forward(*x[:3])
         return (out, lse) + tuple(p.backward(x[3], *x[:3], out, lse))
 
-    plan = burstmpi.BurstAttention(causal=True)
+    plan = burstmpi.BurstAttention(causal=True, layout="contiguous")
     runs = [(x, run(plan, x)) for x in (problem(1536, 1), problem(600, 2), problem(1536, 3))]
     assert plan.backend.threads == 4
     for x, got in runs:
-        for a, b in zip(got, run(burstmpi.BurstAttention(causal=True), x)):
+        for a, b in zip(got, run(burstmpi.BurstAttention(causal=True, layout="contiguous"), x)):
             assert a.shape == b.shape and np.array_equal(a, b, equal_nan=False), "a reused plan's result differs"
 
 

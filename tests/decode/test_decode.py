@@ -163,13 +163,13 @@ def test_prefill_on_a_filled_cache_says_use_decode():
     cache.decode(*_problem())
     q, k, v = (burstmpi.shard(x) for x in _problem(T=2 * NRANKS))
     with pytest.raises(ValueError, match=r"already holds 1 tokens; prefill fills an empty cache \(append a chunk with decode"):
-        cache.prefill(q, k, v)
+        cache.prefill(q, k, v, layout="contiguous")
 
 
 def test_prompt_longer_than_the_capacity():
     q, k, v = (burstmpi.shard(x) for x in _problem(T=9))
     with pytest.raises(ValueError, match=r"a prompt of 9 tokens .* does not fit capacity=8"):
-        _cache().prefill(q, k, v)
+        _cache().prefill(q, k, v, layout="contiguous")
 
 
 def test_released_cache():
@@ -213,7 +213,7 @@ def test_a_decode_allocates_nothing_proportional_to_the_cache(monkeypatch):
         n_global = n * NRANKS
         cache = _cache(capacity=n_global + 2, head_dim=8)
         _, k, v = _problem(T=n_global, d=8)
-        cache.load(burstmpi.shard(k), burstmpi.shard(v))
+        cache.load(burstmpi.shard(k), burstmpi.shard(v), layout="contiguous")
         cache.decode(*_problem(d=8, seed=1))
         tracemalloc.start()
         cache.decode(*_problem(d=8, seed=2))
@@ -268,7 +268,7 @@ def test_windowed_load_after_decodes_that_wrapped_the_slots():
     for what, n in [("load", N1)] + [("decode", T) for T in Ts] + [("load", N2), ("decode", 2)]:
         if what == "load":
             sh = lambda x: burstmpi.shard(x[:, S:S + n])
-            cache.load(sh(k), sh(v))
+            cache.load(sh(k), sh(v), layout="contiguous")
         else:
             outs.append((S, cache.decode(*(x[:, S:S + n] for x in (q, k, v)))))
         S += n
@@ -278,19 +278,19 @@ def test_windowed_load_after_decodes_that_wrapped_the_slots():
         n = out.shape[1]
         check_close("decode out", out, o64[:, start:start + n], op[:, start:start + n], "float32")
     small = burstmpi.KVCache(capacity=5, batch=1, kv_heads=2, head_dim=16, window=(20, 0))
-    small.load(burstmpi.shard(k[:, :5]), burstmpi.shard(v[:, :5]))
+    small.load(burstmpi.shard(k[:, :5]), burstmpi.shard(v[:, :5]), layout="contiguous")
     with pytest.raises(ValueError, match=r"KVCache.load: capacity: expected at least the window's 20 tokens"):
-        small.load(burstmpi.shard(k[:, 5:10]), burstmpi.shard(v[:, 5:10]))
+        small.load(burstmpi.shard(k[:, 5:10]), burstmpi.shard(v[:, 5:10]), layout="contiguous")
 
 
 def test_load_past_the_capacity_or_a_rank_s_slots_raises_everywhere():
     cache = _cache(capacity=4 * NRANKS)
     _, k, v = _problem(T=3 * NRANKS)
-    cache.load(burstmpi.shard(k), burstmpi.shard(v))
+    cache.load(burstmpi.shard(k), burstmpi.shard(v), layout="contiguous")
     _, k, v = _problem(T=2 * NRANKS)
     with pytest.raises(ValueError, match=rf"a prompt of {2 * NRANKS} tokens .* after the {3 * NRANKS} cached "
                                          rf"does not fit capacity={4 * NRANKS}"):
-        cache.load(burstmpi.shard(k), burstmpi.shard(v))
+        cache.load(burstmpi.shard(k), burstmpi.shard(v), layout="contiguous")
     if NRANKS > 1:  # pieces that split unevenly would fill the first ranks long before the cache:
         uneven = _cache(capacity=8 * NRANKS)  # the load that would do it says so, on every rank
         _, k, v = _problem(T=NRANKS + 1)
@@ -298,12 +298,12 @@ def test_load_past_the_capacity_or_a_rank_s_slots_raises_everywhere():
                                              rf"\d+ tokens, and the decode deals it .* multiple of {NRANKS} tokens"):
             while True:
                 assert uneven.seqlen + NRANKS + 1 <= uneven.capacity
-                uneven.load(burstmpi.shard(k), burstmpi.shard(v))
+                uneven.load(burstmpi.shard(k), burstmpi.shard(v), layout="contiguous")
     if NRANKS > 1:  # three tokens on rank 0: more than its 2 free slots, though the capacity has room
         _, k, v = _problem(T=3)
         mine = [x if RANK == 0 else x[:, :0] for x in (k, v)]
         with pytest.raises(ValueError, match=r"rank 0: KVCache.load: k.shape\[1\]: this rank has 2 free slots"):
-            cache.load(*mine)
+            cache.load(*mine, layout="contiguous")
 
 
 def _held_positions(cache):

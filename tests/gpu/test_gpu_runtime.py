@@ -193,7 +193,7 @@ def test_nccl_on_another_communicator_has_a_communicator_and_stream_of_its_own(m
     pair with another's."""
     t, log, Buf = _fakes()
     made = []
-    monkeypatch.setattr(nccl, "communicator", lambda comm, dev: made.append((comm, dev)) or f"nccl of {comm}")
+    monkeypatch.setattr(nccl, "communicator", lambda comm, dev, timeout: made.append((comm, dev)) or f"nccl of {comm}")
     inner, outer = t.on("inner"), t.on("outer")
     assert made == [("inner", 0), ("outer", 0)]
     assert (inner.nccl_comm, outer.nccl_comm) == ("nccl of inner", "nccl of outer")

@@ -307,7 +307,7 @@ def _call(mask, Z=4, N=None):
     N = 8 * NRANKS if N is None else N
     q, k, v, _ = ref.random_problem(1, N, Z, 2 if Z % 2 == 0 else 1, 16)
     sh = lambda x: burstmpi.shard(x)
-    return burstmpi.attention(sh(q), sh(k), sh(v), mask=mask)
+    return burstmpi.attention(sh(q), sh(k), sh(v), mask=mask, layout="contiguous")
 
 
 @pytest.mark.parametrize("mask,match", [

@@ -227,7 +227,7 @@ def test_auto_asks_the_model_only_across_equal_nodes(per_node, monkeypatch):
     for g, links, want in cases:
         per_node(g)
         monkeypatch.setenv("BURSTMPI_LINK_GBPS", links)
-        plan = burstmpi.BurstAttention(topology="auto", causal=True)
+        plan = burstmpi.BurstAttention(topology="auto", causal=True, layout="contiguous")
         out, lse = plan.forward(q, k, v)
         assert plan.last_stats.topology == want, (g, links)
         plan.backward(do, q, k, v, out, lse)
@@ -236,7 +236,7 @@ def test_auto_asks_the_model_only_across_equal_nodes(per_node, monkeypatch):
         per_node(SPREAD[0])
         monkeypatch.delenv("BURSTMPI_LINK_GBPS")
         monkeypatch.setenv("BURSTMPI_INTERNODE_GBPS", "0.05")
-        plan = burstmpi.BurstAttention(topology="auto", causal=True)
+        plan = burstmpi.BurstAttention(topology="auto", causal=True, layout="contiguous")
         plan.forward(q, k, v)
         assert plan.last_stats.topology == "two-level"
         links = plan._links["host"]
@@ -260,7 +260,7 @@ def test_auto_for_gpu_arrays_times_the_plans_own_transport(per_node, monkeypatch
     intra, inter = link_speeds(COMM, nodes(COMM), nbytes=1 << 16, transport=MPITransport(COMM), alloc=alloc)
     assert COMM.allgather((intra, inter)) == [(intra, inter)] * NRANKS and intra > 0 and 0 < inter <= 0.05
     q, k, v = (burstmpi.shard(x) for x in ref.random_problem(1, 16 * NRANKS, 4, 2, 16, seed=2)[:3])
-    plan = burstmpi.BurstAttention(topology="auto", causal=True)
+    plan = burstmpi.BurstAttention(topology="auto", causal=True, layout="contiguous")
     plan.forward(q, k, v)  # host arrays: measured by MPI
     assert plan.last_stats.topology == "two-level" and set(plan._links) == {"host"}
     assert plan._ring_topology("cuda", (1, 16, 4, 2, 16, 16), np.float32) == "two-level"
