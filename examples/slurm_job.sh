@@ -11,7 +11,10 @@
 # Results go to $OUT (default burstmpi-<job id>/): bench.json (-J, the rows that
 # --baseline compares against), junit.xml, and the example's output in the job's log.
 # Exit status: 0; 1 on a wrong value, 3 on a regression against $BASELINE, 4 when a row
-# did not fit in memory (see `burstmpi-bench --help`); the example's failure (when the bench passed) exits with its own status.
+# did not fit in memory, 75 when burstmpi's watchdog ended the job (a rank or link stopped
+# answering within BURSTMPI_TIMEOUT), 143 when the time limit's SIGTERM interrupted the bench
+# (the rows measured by then are in bench.json and junit.xml; the example is then not run);
+# see `burstmpi-bench --help`. The example's failure (when the bench passed) exits with its own status.
 #
 # Variables the job reads (each with a cluster-sized default): BENCH_ARGS, BASELINE,
 # TOLERANCE, EXAMPLE_ARGS (the example's global length), OUT, SRUN_ARGS (--mpi=pmix: how
@@ -52,6 +55,9 @@ echo "# $(date -Is) burstmpi job ${SLURM_JOB_ID:-local}: ${SLURM_NTASKS:-?} rank
 status=0
 srun $SRUN_ARGS python -m mpi4py "${bench[@]}" || status=$?
 echo "# burstmpi-bench exit status $status (rows in $OUT/bench.json)"
+case $status in
+    130|143) exit "$status" ;;  # interrupted (the time limit): the example would be cut off too
+esac
 
 # The example checks itself against float64 and exits non-zero if it cannot; a wrong value
 # or regression from the bench keeps its own exit status.

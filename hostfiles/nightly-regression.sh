@@ -8,23 +8,81 @@
 #
 # The first run (no baseline yet) records one; later runs compare with it. Refresh the
 # baseline deliberately (copy a good night's JSON over it), never automatically.
+#
+# It runs the INSTALLED burstmpi (pip install burstmpi, or your checkout installed), from
+# $OUT: `python -m` puts the working directory first on the import path, and from a
+# checkout's root it would import the checkout instead. Results go to $OUT, by default
+# ${XDG_STATE_HOME:-~/.local/state}/burstmpi/nightly, outside the source tree:
+# run-STAMP.json (-J), junit-STAMP.xml, run-STAMP.txt (the table) and baseline.json.
+#
+# Exit status, each with a last line `# nightly: ...`: 0 OK; 1 WRONG VALUES; 3 a
+# PERFORMANCE REGRESSION; 4 a row REFUSED for memory; 75 A RANK OR LINK STOPPED ANSWERING
+# (burstmpi's watchdog ended the job; BURSTMPI_TIMEOUT); 130/143 INTERRUPTED by SIGINT/
+# SIGTERM (Ctrl-C, a scheduler's time limit): the rows measured before it are in the JSON
+# and JUnit files. Ctrl-C once: the job then writes its rows and ends within seconds.
+#
+# Variables: RANKS (4), LAUNCH ("mpiexec -n $RANKS"), OUT, TOLERANCE (0.10), SWEEP (the
+# bench's flags), PYTHON (python: the interpreter burstmpi is installed in).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 RANKS=${RANKS:-4}
 LAUNCH=${LAUNCH:-"mpiexec -n $RANKS"}
-OUT=${OUT:-nightly}
+OUT=${OUT:-${XDG_STATE_HOME:-$HOME/.local/state}/burstmpi/nightly}
 TOLERANCE=${TOLERANCE:-0.10}
 SWEEP=${SWEEP:-"-b 4K -e 16K -f 2 -m both -l zigzag --bwd all -n 5 -w 2"}
-mkdir -p "$OUT"
+PYTHON=${PYTHON:-python}
+mkdir -p "$OUT" || exit 1
+OUT=$(cd "$OUT" && pwd)   # absolute: the job runs from there
+cd "$OUT" || exit 1
 stamp=$(date +%Y%m%d-%H%M%S)
 baseline="$OUT/baseline.json"
+txt="$OUT/run-$stamp.txt"
+echo "# nightly: $("$PYTHON" -c 'import burstmpi; print("burstmpi", burstmpi.__version__, "from", burstmpi.__file__)' 2>&1); results in $OUT"
 
 args=($SWEEP -J "$OUT/run-$stamp.json" --junit "$OUT/junit-$stamp.xml" --no-progress)
 if [ -f "$baseline" ]; then
     args+=(--baseline "$baseline" --tolerance "$TOLERANCE")
 fi
-$LAUNCH python -m mpi4py -m burstmpi.bench "${args[@]}" | tee "$OUT/run-$stamp.txt"
-status=${PIPESTATUS[0]}
+
+# The table goes to the terminal (or the CI log) and to $txt. tee ignores SIGINT/SIGTERM:
+# a Ctrl-C reaches this whole process group, and a tee that died with it would take the
+# job's last lines (the footer that says INTERRUPTED) with it.
+exec 3> >(trap '' INT TERM; exec tee "$txt")
+tee_pid=$!
+# The launcher runs in a session of its own and gets each signal once, from the trap below:
+# hydra's mpiexec passes the first SIGINT to every rank (which write the rows done and end
+# the job), but kills them at once on a second, and a Ctrl-C would send it one directly and
+# one through the trap. srun behaves the same way.
+setsid $LAUNCH "$PYTHON" -m mpi4py -m burstmpi.bench "${args[@]}" >&3 3>&- &
+launcher=$!
+caught=""
+forward() {
+    if [ -z "$caught" ]; then
+        caught=$1
+        echo "# nightly: SIG$1: passed to the job once; it writes the rows done and ends" >&2
+        kill -s "$1" "$launcher" 2>/dev/null
+    else
+        echo "# nightly: SIG$1 again: already passed on SIG$caught; waiting for the job to end" >&2
+    fi
+}
+trap 'forward INT' INT
+trap 'forward TERM' TERM
+while :; do
+    wait "$launcher"
+    status=$?
+    # A trapped signal makes `wait` return 128+signal at once, the job still running (or
+    # ended but not yet reported: a last `wait` gives its status, 127 if it was this one).
+    if [ -n "$caught" ] && [ "$status" -gt 128 ]; then
+        if kill -0 "$launcher" 2>/dev/null; then continue; fi
+        wait "$launcher"
+        last=$?
+        [ "$last" -ne 127 ] && status=$last
+    fi
+    break
+done
+exec 3>&-
+wait "$tee_pid" 2>/dev/null
+trap - INT TERM
+
 if [ ! -f "$baseline" ] && [ "$status" -eq 0 ]; then
     cp "$OUT/run-$stamp.json" "$baseline"
     echo "# recorded $baseline"
@@ -34,6 +92,18 @@ case $status in
     1) echo "# nightly: WRONG VALUES (exit 1)" ;;
     3) echo "# nightly: PERFORMANCE REGRESSION (exit 3)" ;;
     4) echo "# nightly: A ROW DID NOT FIT IN MEMORY, REFUSED (exit 4; see # REFUSED)" ;;
+    75) echo "# nightly: A RANK OR LINK STOPPED ANSWERING (watchdog, exit 75; see the 'burstmpi watchdog:' line)" ;;
+    130|143)
+        sig=$([ "$status" -eq 130 ] && echo SIGINT || echo SIGTERM)
+        # The bench's own footer: "# INTERRUPTED by SIGTERM after N rows (of M; K not run): ..."
+        rows=$(sed -n 's/^# INTERRUPTED by [A-Z]* after \([0-9]*\) rows\{0,1\} .*/\1/p' "$txt" | tail -n 1)
+        wrong=$(grep "^# Out of bounds values" "$txt" | tail -n 1)
+        if [ -n "$rows" ]; then
+            echo "# nightly: INTERRUPTED by $sig (exit $status) after $rows rows, written to run-$stamp.json and" \
+                 "junit-$stamp.xml in $OUT${wrong:+ (${wrong#\# })}"
+        else
+            echo "# nightly: INTERRUPTED by $sig (exit $status); the job did not report its rows"
+        fi ;;
     *) echo "# nightly: FAILED (exit $status)" ;;
 esac
 exit "$status"

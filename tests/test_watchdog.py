@@ -100,7 +100,7 @@ def test_the_bench_keeps_its_deadline_on_its_own_collectives():
     lines, _ = _ends_by_watchdog(f"""
         from burstmpi.transport.watchdog import guarded
         comm = guarded(MPI.COMM_WORLD, {TIMEOUT}, who="test")
-        assert isinstance(comm, MPI.Intracomm)
+        assert isinstance(comm, MPI.Intracomm) and comm.Dup()._timeout == {TIMEOUT}  # a plan's private copy
         if rank != 2:
             comm.allreduce(1)
         time.sleep(60)
@@ -116,14 +116,14 @@ class Expired(Exception):
 
 @pytest.fixture
 def no_abort(monkeypatch):
-    """``_abort`` raises instead of ending the test process; the lines printed are kept."""
+    """``abort`` raises instead of ending the test process; the lines printed are kept."""
     calls = []
 
     def fake(code):
         calls.append(code)
         raise Expired(code)
 
-    monkeypatch.setattr(watchdog, "_abort", fake)
+    monkeypatch.setattr(watchdog, "abort", fake)
     return calls
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..config import settings
 from ..validate import check_out
-from . import numpy_decode, tile_ops
+from . import jit_cache, numpy_decode, tile_ops
 from .tile_plan import TilePlans, runs as _runs
 from .threads import Workers
 from .workspace import OutputPool, Workspace
@@ -93,8 +93,7 @@ def _ops(setting):
         if settings().blas == "mkl":  # asked for by name: not quietly the slow loops instead
             raise RuntimeError(f"the compiled CPU tile loops are unavailable: {e}") from None
         return tile_ops
-    cpu_tiles.warm()  # compiled, or loaded from the disk cache, once per process
-    return cpu_tiles
+    return cpu_tiles  # warmed by NumpyBackend, with the packed path: one first-use notice
 
 
 def _packed(ops, setting):
@@ -108,7 +107,6 @@ def _packed(ops, setting):
         if setting == "packed":
             raise RuntimeError("BURSTMPI_CPU_GEMM=packed: the micro-kernel needs a CPU with AVX2 and FMA, or AVX-512")
         return None
-    cpu_packed.warm()
     return cpu_packed
 
 
@@ -122,6 +120,9 @@ class NumpyBackend:
         self.tile_q, self.tile_k = tile_q, tile_k
         self.ops = _ops(kernels)  # tile_ops (NumPy) or cpu_tiles (numba)
         self.packed = _packed(self.ops, gemm)  # cpu_packed, for the float32 forward, or None
+        # Compiled, or loaded from the disk cache, once per process; a first compile says so
+        # on rank 0 (about 20 s that used to pass in silence).
+        jit_cache.first_use("the CPU tile loops", [m for m in (self.ops, self.packed) if hasattr(m, "_SIGNATURES")])
         self.pack_always = gemm == "packed"
         self.workers = Workers(threads)
         # The converted K/V blocks and the accumulators, kept from call to call, and the

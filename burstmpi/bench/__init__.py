@@ -10,7 +10,10 @@ its columns, ``LEGEND`` and presets in ``burstmpi.bench.columns``) and
 preamble, one row per configuration, footer, ``-J`` JSON rows, ``--baseline`` regression
 mode, ``--junit``), check each row's memory before it runs (``burstmpi.bench.memory``) and
 exit non-zero when a value is wrong (1), a row did not fit in memory (4) or a
-configuration regressed (3).
+configuration regressed (3). Every wait on other ranks has a deadline (``--timeout``): past
+it the watchdog ends the job with exit 75 (``burstmpi.transport.watchdog``). SIGINT or
+SIGTERM write the rows done (``-J``, ``--junit``) and exit 130 or 143
+(``burstmpi.bench.interrupt``).
 """
 
 import os
@@ -18,11 +21,14 @@ import os
 import click
 from mpi4py import MPI
 
+from ..config import settings
 from ..masks.layout import LAYOUTS
+from ..transport import watchdog
 from ..validate import TOPOLOGIES
 from . import attention, decode as decode_mode
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
-from .common import DTYPES, comma_list, cpu_line, legend, parse_bytes, parse_counts, parse_size, parse_window
+from .common import DTYPES, comma_list, cpu_line, legend, parse_bytes, parse_counts, parse_size, parse_window, say
+from .interrupt import Interrupts
 from .patterns import check_spec
 
 __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
@@ -103,6 +109,10 @@ def _topologies(value):
 @click.option("--mem-limit", default=None, callback=parse_bytes,
               help="Bytes the bench may plan to use per node (K/M/G suffixes, e.g. 16G): at most this and "
                    "85 % of what each node has free. Baselines that do not fit are skipped, rows refused (exit 4).")
+@click.option("--timeout", default=None, type=click.FloatRange(0, min_open=True), metavar="SECONDS",
+              help="Seconds any wait on other ranks may last (the bench's own collectives and every BurstAttention "
+                   "and KVCache it builds) before the watchdog prints who it waited for and ends the job "
+                   "(exit 75). Default: BURSTMPI_TIMEOUT, else 300.")
 @click.option("--legend", is_flag=True,
               help="Print one line per column (its header, unit and definition) and exit; with --decode, "
                    "the decode mode's columns.")
@@ -116,8 +126,20 @@ def _topologies(value):
                    "(StreamingLLM; KVCache(sinks=)). Attention mode: use --mask streaming:SINKS:WINDOW.")
 @click.pass_context
 def main(ctx, **opts):
-    """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD."""
-    comm = MPI.COMM_WORLD
+    """Benchmark exact distributed attention over the ranks of MPI_COMM_WORLD.
+
+    Exit status: 0; 1 a wrong value; 4 a row refused for memory; 3 a regression
+    (--baseline); 75 the watchdog ended the job (a rank or link stopped answering within
+    --timeout); 130/143 interrupted by SIGINT/SIGTERM (the rows done are in -J and --junit).
+    """
+    if opts["timeout"] is None:
+        try:
+            opts["timeout"] = settings().timeout
+        except ValueError as e:  # a malformed BURSTMPI_TIMEOUT: the same on every rank
+            raise click.BadParameter(str(e), param_hint="--timeout (BURSTMPI_TIMEOUT)")
+    # Every pickled collective and barrier of the bench under the deadline; the plans and caches
+    # it builds get the same timeout (``timeout=``).
+    comm = watchdog.guarded(MPI.COMM_WORLD, opts["timeout"], who="burstmpi-bench")
     if opts.pop("legend"):
         if comm.Get_rank() == 0:
             mode = decode_mode if opts["decode"] else attention
@@ -127,12 +149,15 @@ def main(ctx, **opts):
     gbps = opts.pop("internode_gbps")
     if gbps is not None:  # every plan of the run reads it (burstmpi.config)
         os.environ["BURSTMPI_INTERNODE_GBPS"] = repr(gbps)
-    if opts.pop("decode"):
-        decode_mode.main(comm, ctx, opts)
-    else:
-        for name, flag in (("tokens", "-T/--tokens"), ("sinks", "--sinks")):
-            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
-                raise click.UsageError(f"{flag} is a --decode option" + (
-                    " (attention with sinks: --mask streaming:SINKS:WINDOW)" if name == "sinks" else ""))
-            opts.pop(name)
-        attention.main(comm, ctx, opts)
+    # A signal before the first row (a first use compiles for a while) ends the job too; the
+    # sweep then reports its rows in this one's place (``burstmpi.bench.interrupt``).
+    with Interrupts(comm, lambda signame: say(comm, f"# INTERRUPTED by {signame} after 0 rows (before the first)")):
+        if opts.pop("decode"):
+            decode_mode.main(comm, ctx, opts)
+        else:
+            for name, flag in (("tokens", "-T/--tokens"), ("sinks", "--sinks")):
+                if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+                    raise click.UsageError(f"{flag} is a --decode option" + (
+                        " (attention with sinks: --mask streaming:SINKS:WINDOW)" if name == "sinks" else ""))
+                opts.pop(name)
+            attention.main(comm, ctx, opts)

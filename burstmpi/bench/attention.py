@@ -57,11 +57,12 @@ from ..plan import BurstAttention
 from ..transport.nodes import nodes
 from .columns import (ALL_COLUMNS, COLUMNS, CONFIG_KEYS, HEAD_COLUMNS, LEGEND, MASK_COLUMNS, MEMORY_COLUMNS,
                       NODE_COLUMNS, PADDED_COLUMNS, PRESETS, TORCH_COLUMNS)
-from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, cores, idle_barrier, np_dtype,
-                     reads_in_place, resolve_device, say, seqlens, sweep, timed, wall)
+from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, guard, np_dtype,
+                     reads_in_place, resolve_device, say, seqlens, sweep, timed)
 from .estimates import attention_stages
 from .memory import Budget
 from .patterns import DENSE, build as build_pattern
+from .torchref import torch_timer
 
 __all__ = ["COLUMNS", "ALL_COLUMNS", "LEGEND", "CONFIG_KEYS", "PRESETS", "check_docs", "flops", "run_config",
            "main"]
@@ -104,16 +105,18 @@ def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlen
     lay = dict(layout=cfg["layout"], cu_seqlens=cu_seqlens)
     q, k, v, do = local
     dq, dk, dv = grads
-    kg, vg = unshard(k, **lay), unshard(v, **lay)
-    qg, dog = unshard(q, **lay), unshard(do, **lay)
-    lse_g = unshard(lse, axis=2, **lay)
+    with guard(comm, "the float64 check's unshard of q, k, v, dout and lse"):
+        kg, vg = unshard(k, **lay), unshard(v, **lay)
+        qg, dog = unshard(q, **lay), unshard(do, **lay)
+        lse_g = unshard(lse, axis=2, **lay)
     # delta = rowsum(do * out) in float64, a block of rows at a time (no float64 copy of the shard)
     delta = np.empty(out.shape[:1] + out.shape[2:3] + out.shape[1:2])
     for a in range(0, out.shape[1], reference.CHUNK):
         b = a + reference.CHUNK
         delta[:, :, a:b] = np.einsum("bnhd,bnhd->bhn", np.asarray(do[:, a:b], np.float64),
                                      np.asarray(out[:, a:b], np.float64))
-    delta_g = unshard(delta, axis=2, **lay)
+    with guard(comm, "the float64 check's unshard of delta"):
+        delta_g = unshard(delta, axis=2, **lay)
     N = cfg["seqlen"]
     sample = np.unique(np.linspace(0, N - 1, min(CHECK_ROWS, N)).astype(np.int64))
     mine = np.nonzero(np.isin(positions, sample))[0]
@@ -134,57 +137,7 @@ def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlen
     return comm.allreduce(bad, op=MPI.SUM)
 
 
-def _torch_timer(comm, cfg, local, gpu=False):
-    """Torch SDPA on the whole global problem, timed on rank 0 (on its GPU with ``gpu``)
-    while the other ranks sleep. Returns ``tick``, which times one forward and one
-    forward+backward (collective: the bench calls it between its own timed iterations,
-    so both are measured side by side on machines whose speed drifts), and the list of
-    (fwd_s, fwdbwd_s) it fills on rank 0. Warmed up here, untimed."""
-    glob = [unshard(x, layout=cfg["layout"]) for x in local]
-    times, rank0 = [], comm.Get_rank() == 0
-    if rank0:
-        import torch
-        import torch.nn.functional as F
-
-        # The other ranks sleep meanwhile: give torch every core this process may use
-        # (under mpiexec torch otherwise starts with a single thread). Our own threads and
-        # BLAS keep their counts (torch has its own pool).
-        torch.set_num_threads(cores())
-
-        def t(x):
-            a = x.view(np.int16) if cfg["dtype"] == "bfloat16" else x
-            tt = torch.from_numpy(np.ascontiguousarray(a))
-            # torch's attention wants (B, heads, N, d); give it a contiguous copy, its fast path.
-            tt = (tt.view(torch.bfloat16) if cfg["dtype"] == "bfloat16" else tt).transpose(1, 2).contiguous()
-            return tt.cuda() if gpu else tt
-
-        q, k, v, do = (t(x) for x in glob)
-        gqa = dict(enable_gqa=True) if cfg["kv_heads"] != cfg["heads"] else {}
-        causal = bool(cfg["causal"])
-
-        def fwd():
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
-
-        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-
-        def fwdbwd():
-            F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, **gqa).backward(do)
-
-        sync = torch.cuda.synchronize if gpu else (lambda: None)
-        fwd(), fwdbwd()
-    del glob
-    idle_barrier(comm)
-
-    def tick():
-        if rank0:
-            times.append((wall(fwd, sync), wall(fwdbwd, sync)))
-        idle_barrier(comm)
-
-    return tick, times
-
-
-def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None, mask=None):
+def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None, mask=None, timeout=None):
     """Peak bytes of one forward and one backward on a fresh plan, inputs included.
 
     tracemalloc sees every NumPy allocation made while it runs; the inputs were made
@@ -192,7 +145,7 @@ def _footprint(comm, cfg, window, q, k, v, do, cu_seqlens=None, mask=None):
     what each phase cannot do without: its arrays in and out and its ring buffers.
     """
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
-                          bwd_comm=cfg["bwd_comm"], mask=mask)
+                          bwd_comm=cfg["bwd_comm"], mask=mask, timeout=timeout)
     tracemalloc.start()
     out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
     fwd_peak = tracemalloc.get_traced_memory()[1] + q.nbytes + k.nbytes + v.nbytes
@@ -268,14 +221,14 @@ def _iterations(comm, plan, arrays, iters, warmup, dev, cu_seqlens=None, between
     return tf, tb, out, lse, grads
 
 
-def _padded_way(comm, cfg, cu_seqlens, *, iters, warmup, window, seed, dev, transport, red):
+def _padded_way(comm, cfg, cu_seqlens, *, iters, warmup, window, seed, dev, transport, red, timeout=None):
     """The documents as peers run them: each padded to a multiple of 2P tokens and run as
     its own zigzag sequence, one after another. Returns the row's padded-way columns."""
     P = comm.Get_size()
     lengths, padded = packing.padded_documents(cu_seqlens, P)
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout="zigzag",
                           bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                          transport=transport)
+                          transport=transport, timeout=timeout)
     fb, sent = 0.0, 0
     for n in padded:
         _, arrays = _inputs(dict(cfg, seqlen=int(n)), int(n) // P, seed, comm.Get_rank(), dev)
@@ -288,13 +241,14 @@ def _padded_way(comm, cfg, cu_seqlens, *, iters, warmup, window, seed, dev, tran
 
 
 def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, seed,
-               trace_memory=False, dev=None, transport="auto", docs=None, budget=None):
+               trace_memory=False, dev=None, transport="auto", docs=None, budget=None, timeout=None):
     """Benchmark one configuration; return its row (identical on every rank). ``docs``
     (a ``--docs`` SPEC) packs each sequence with documents; ``cfg["mask_spec"]`` (a
     ``--mask`` pattern, or None) masks it, and then the same shapes run unmasked side by
     side for the ``vs dense`` and efficiency columns. ``budget`` (``memory.Budget``, made
     here when None) checks the row's memory first: raises ``memory.Refused`` when the row
-    does not fit, skips the baselines that do not."""
+    does not fit, skips the baselines that do not. ``timeout``: every plan's (``--timeout``;
+    None: ``BURSTMPI_TIMEOUT``)."""
     dev = Device("numpy") if dev is None else dev
     budget = Budget(comm) if budget is None else budget
     P, rank = comm.Get_size(), comm.Get_rank()
@@ -316,15 +270,15 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     hp, topology = cfg.get("head_parallel") or 1, cfg.get("topology") or "flat"
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
                           bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                          transport=transport, mask=mask, head_parallel=hp, topology=topology)
-    memory = _footprint(comm, cfg, window, q, k, v, do, cu, mask) if trace_memory else {}
+                          transport=transport, mask=mask, head_parallel=hp, topology=topology, timeout=timeout)
+    memory = _footprint(comm, cfg, window, q, k, v, do, cu, mask, timeout) if trace_memory else {}
     dense, dense_times = None, []  # the same shapes unmasked, for --mask PATTERN
     if mask is not None:
         dense = BurstAttention(layout=cfg["layout"], bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                               transport=transport, head_parallel=hp, topology=topology)
+                               transport=transport, head_parallel=hp, topology=topology, timeout=timeout)
         _iterations(comm, dense, arrays, 0, 1, dev)  # warmed up, untimed
     ref = []  # (fwd, bwd) seconds of the local kernel
-    torch_tick, torch_times = _torch_timer(comm, cfg, local, dev.backend == "cuda") if use_torch else (None, [])
+    torch_tick, torch_times = torch_timer(comm, cfg, local, dev.backend == "cuda") if use_torch else (None, [])
 
     def between(j):
         if torch_tick is not None:  # torch after each of our iterations: means over the same span
@@ -411,7 +365,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
                                     [dev.host(g) for g in grads], window, positions, cu, mask)
     if cu is not None and plan_mem.runs["the padded way"]:
         row.update(_padded_way(comm, cfg, cu, iters=iters, warmup=warmup, window=window, seed=seed,
-                               dev=dev, transport=transport, red=red))
+                               dev=dev, transport=transport, red=red, timeout=timeout))
         row["vs_padded"] = row["pad_fwdbwd_ms"] / row["fwdbwd_ms"]
     if use_torch:  # (and it fits)
         # The mean over the timed iterations, as ours is: a minimum against a mean would
@@ -474,7 +428,8 @@ def main(comm, ctx, o):
                   head_parallel=",".join(map(str, o["head_parallel"])), topology=",".join(o["topology"]),
                   window=window, docs=docs, bwd=o["bwd_comm"], torch=o["use_torch"],
                   trace_memory=o["trace_memory"], seed=o["seed"], preset=o["preset"], baseline=o["baseline"],
-                  tolerance=o["tolerance"] if o["baseline"] else None, mem_limit=o["mem_limit"])
+                  tolerance=o["tolerance"] if o["baseline"] else None, mem_limit=o["mem_limit"],
+                  timeout=o["timeout"])
     dev = resolve_device(comm, o["backend"])
     if o["trace_memory"] and dev.backend == "cuda":
         raise click.UsageError("--trace-memory traces NumPy allocations; use --backend numpy")
@@ -485,7 +440,7 @@ def main(comm, ctx, o):
         transport = "auto"  # a GPU transport: host arrays take shm or mpi, as auto picks
     params.update(backend=dev.backend, transport=transport)
     columns = (COLUMNS + (MEMORY_COLUMNS if o["trace_memory"] else []) + (PADDED_COLUMNS if docs else [])
-               + (MASK_COLUMNS if pattern else []) + (NODE_COLUMNS if nodes(comm).count > 1 else [])
+               + (MASK_COLUMNS if pattern else []) + (NODE_COLUMNS if nodes(comm, o["timeout"]).count > 1 else [])
                + (HEAD_COLUMNS if o["head_parallel"] != [1] or o["topology"] != ["flat"] else [])
                + (TORCH_COLUMNS if o["use_torch"] else []))
     work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window,
@@ -497,7 +452,8 @@ def main(comm, ctx, o):
     def run_one(cfg):
         return run_config(comm, cfg, iters=o["iters"], warmup=o["warmup"], check=o["check"],
                           reduce=o["reduce"], window=window, use_torch=o["use_torch"], seed=o["seed"],
-                          trace_memory=o["trace_memory"], dev=dev, transport=transport, docs=docs, budget=budget)
+                          trace_memory=o["trace_memory"], dev=dev, transport=transport, docs=docs, budget=budget,
+                          timeout=o["timeout"])
 
     def footer(rows):
         return [f"# Avg TFLOP/s per rank (fwd+bwd) : {float(np.mean([r['fwdbwd_tflops'] for r in rows])):.4f}",

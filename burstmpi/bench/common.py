@@ -6,12 +6,21 @@ decode``: decode over a sharded KV cache) supplies its columns, its configuratio
 function that runs one of them and returns its row; ``sweep`` does the rest the same way for
 every mode: the preamble (versions, parameters, threads, the CPU and its vector flags, each
 rank's host and device), one line per row, the footer, the JSON rows (``-J``), JUnit XML
-(``--junit``) and the comparison with a baseline (``--baseline``), and the exit status: 1 if
-any value was wrong, 4 if a row was refused because it does not fit in memory
-(``burstmpi.bench.memory``), 3 if a configuration regressed, else 0. ``legend`` gives a
-mode's columns, one line each, for ``--legend``.
+(``--junit``) and the comparison with a baseline (``--baseline``; these four in
+``burstmpi.bench.results``), and the exit status: 1 if any value was wrong, 4 if a row was
+refused because it does not fit in memory (``burstmpi.bench.memory``), 3 if a configuration
+regressed, else 0; SIGINT or SIGTERM keep the rows done and exit 130 or 143
+(``burstmpi.bench.interrupt``). ``legend`` gives a mode's columns, one line each, for
+``--legend``.
+
+Every wait of the bench on other ranks has the watchdog's deadline (``--timeout``;
+``burstmpi.transport.watchdog``): its communicator is ``watchdog.guarded`` (the pickled
+collectives), its barriers complete within ``deadline(comm)``, and the few blocking calls
+that have no deadline of their own (splitting a communicator, ``unshard``) run inside
+``guard``. On expiry the job ends with exit 75.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -27,15 +36,17 @@ from ..backends.threads import cores, node_masks, shares_cores
 from ..config import settings
 from ..interop import bfloat16
 from ..sizes import parse_bytes, parse_size
-from ..transport.mpi import complete
+from ..transport import watchdog
 from ..transport.nodes import nodes
-from . import regress
+from . import regress, results
 from .binding import bind_ranks
+from .interrupt import Interrupts
 from .memory import Budget, Refused, peak_bytes, reset_peak
 
 __all__ = ["DTYPES", "TOLERANCE", "REDUCE", "parse_size", "parse_window", "parse_counts", "comma_list", "choices", "cores",
            "say", "seqlens", "np_dtype", "cpu_line", "Device", "resolve_device", "timed", "barrier", "idle_barrier",
-           "wall", "load_baseline", "sweep", "budget_for", "reads_in_place", "backend_line", "legend", "parse_bytes"]
+           "wall", "load_baseline", "sweep", "budget_for", "reads_in_place", "backend_line", "legend", "parse_bytes",
+           "deadline", "guard"]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
@@ -82,6 +93,20 @@ def choices(value, allowed):
     return list(allowed) if value == "all" else [value]
 
 
+def deadline(comm):
+    """Seconds a wait on the other ranks of ``comm`` may last: the bench's ``--timeout`` on
+    its communicator (``watchdog.guarded`` keeps it there), else ``BURSTMPI_TIMEOUT``."""
+    return comm._timeout if isinstance(comm, watchdog.GuardedComm) else settings().timeout
+
+
+def guard(comm, what):
+    """A blocking call on ``comm`` without a deadline of its own (a communicator split,
+    ``unshard``) run under the watchdog's (``watchdog.guard``); none alone (no one to wait for)."""
+    if comm.Get_size() == 1:
+        return contextlib.nullcontext()
+    return watchdog.guard(f"burstmpi-bench: {what}", deadline(comm))
+
+
 def blas_threads(comm):
     """Cap BLAS threads so the ranks on one node do not oversubscribe its cores.
 
@@ -91,7 +116,8 @@ def blas_threads(comm):
     """
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    with guard(comm, "the split of the ranks by node (BLAS threads)"):
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_here = local.Get_size()
     local.Free()
     ncores = cores()
@@ -120,7 +146,8 @@ def cpu_kernels_line(comm):
     per rank, and what their first use cost (compiling, or loading from numba's disk cache)."""
     from ..backends.threads import threads_per_rank
 
-    threads = threads_per_rank(comm, settings().threads)
+    with guard(comm, "the split of the ranks by node (tile threads)"):
+        threads = threads_per_rank(comm, settings().threads)
     ops = _cpu_ops()
     if isinstance(ops, str):
         return f"#  CPU kernels: unavailable ({ops})"
@@ -264,10 +291,11 @@ def reads_in_place(comm, dev, budget, transport="auto"):
 def budget_for(comm, dev, limit):
     """The job's memory pools for ``memory.Budget`` (collective): each node's host memory,
     and each rank's GPU when the arrays live there."""
-    if dev.cupy is None:
-        return Budget(comm, limit)
-    cp = dev.cupy
-    return Budget(comm, limit, device_free=lambda: cp.cuda.runtime.memGetInfo()[0], device_id=cp.cuda.Device().id)
+    with guard(comm, "the split of the ranks by node (memory)"):
+        if dev.cupy is None:
+            return Budget(comm, limit)
+        cp = dev.cupy
+        return Budget(comm, limit, device_free=lambda: cp.cuda.runtime.memGetInfo()[0], device_id=cp.cuda.Device().id)
 
 
 def resolve_device(comm, backend):
@@ -299,10 +327,15 @@ def timed(comm, fn, dev=None):
 
 
 def barrier(comm, idle=False):
-    """MPI_Barrier, or with ``idle`` one that sleeps between tests (``transport.mpi.complete``).
-    MPI_Barrier busy-polls: where ranks take turns on a core, a rank done early would take
-    half of its core from the rank still working there, and time that rank's phase slower."""
-    complete([comm.Ibarrier()], idle)  # nonblocking everywhere: ``idle`` may differ by node
+    """MPI_Barrier within ``deadline(comm)``, and with ``idle`` one that sleeps between tests
+    (``watchdog.complete``). MPI_Barrier busy-polls: where ranks take turns on a core, a rank
+    done early would take half of its core from the rank still working there, and time that
+    rank's phase slower."""
+    def expired(pending, waited):
+        watchdog.expire(f"burstmpi-bench: a barrier: waited {waited:.0f} s for the other ranks of {comm.Get_size()}")
+
+    # Nonblocking everywhere: ``idle`` may differ by node.
+    watchdog.complete([comm.Ibarrier()], idle, deadline(comm), expired)
 
 
 def idle_barrier(comm):
@@ -377,8 +410,9 @@ def sweep(comm, *, bind="auto", torch=False, **kw):
     ``bind``, ``torch``: where the ranks run meanwhile (``binding.bind_ranks``; the
     process's own placement comes back afterwards); the rest: ``_sweep``'s."""
     limiter, threads_line = blas_threads(comm)  # noqa: F841 (kept alive for the run)
-    bind_line, placement = bind_ranks(comm, bind, torch)  # after: the BLAS line counts the node's cores
-    kw["dev"].idle = shares_cores(node_masks(comm)[0])  # as placed now
+    with guard(comm, "the ranks' placement (their cores, by node)"):
+        bind_line, placement = bind_ranks(comm, bind, torch)  # after: the BLAS line counts the node's cores
+        kw["dev"].idle = shares_cores(node_masks(comm)[0])  # as placed now
     if kw["dev"].idle:
         bind_line += "; ranks share cores, so the bench's barriers sleep instead of spinning"
     try:
@@ -400,7 +434,7 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     P = comm.Get_size()
     base_rows = load_baseline(comm, baseline)
     who = comm.gather((socket.gethostname(), os.getpid(), dev.describe()), root=0)
-    where = nodes(comm)  # collective
+    where = nodes(comm, deadline(comm))  # collective
     cfg = settings()
     how = "BURSTMPI_RANKS_PER_NODE" if cfg.ranks_per_node else "MPI's shared-memory split"
     if cfg.internode_gbps and where.count > 1:
@@ -412,55 +446,34 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
         f"#  Nodes: {where.describe()} ({how})",
         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
           if who else []),
+        f"#  Watchdog: a wait on other ranks longer than {deadline(comm):g} s ends the job with exit 75 "
+        "(--timeout, BURSTMPI_TIMEOUT); SIGINT/SIGTERM keep the rows done and exit 130/143",
         "#  Columns: burstmpi-bench --legend" + (" --decode" if mode == "decode" else "")
         + " prints one line per column with its unit and definition",
         "#")
     say(comm, *header_lines(columns))
     rows, refused, t_start = [], [], time.perf_counter()
-    for i, cfg in enumerate(configs):
-        t0 = time.perf_counter()
-        reset_peak()  # this row's peak, not the largest row's before it
-        try:
-            row = run_one(cfg)
-        except Refused as e:  # the same on every rank, before anything was allocated
-            refused.append(dict(cfg, why=str(e)))
-            say(comm, f"# REFUSED {e}")
-            continue
-        rows.append(row)
-        say(comm, format_row(columns, row))
-        if show_progress:
-            progress(comm, i + 1, len(configs), row, time.perf_counter() - t0, time.perf_counter() - t_start,
-                     sum(work[:i + 1]) / sum(work))
-    wrong = sum(max(r["wrong"], 0) for r in rows)
-    say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
-              + ("" if check else " (not checked: -c 0)"),
-        *(footer(rows) if rows else []),
-        *([f"# Max peak memory per rank (MB) : {max(r['peak_mb'] for r in rows):.0f}"] if rows else []),
-        f"# Rows refused for memory : {len(refused)} {'OK' if not refused else 'FAILED'}")
-    regressed = 0
-    verdicts = [dict(row=r, base=None, ratio=None, status="wrong" if r["wrong"] > 0 else "ok") for r in rows]
-    if base_rows is not None:
-        verdicts = regress.compare(rows, base_rows, tolerance, config_keys, metric)
-        for v in verdicts:
-            r = v["row"]
-            if v["status"] == "regressed":
-                say(comm, f"# REGRESSED {regress.describe(r, config_keys)}: {metric} {r[metric]:.3f} vs "
-                          f"baseline {v['base'][metric]:.3f} ({100 * (v['ratio'] - 1):+.1f} %)")
-            elif v["status"] == "new":
-                say(comm, f"# NEW (no baseline row) {regress.describe(r, config_keys)}")
-        regressed = sum(v["status"] == "regressed" for v in verdicts)
-        worst = max((v["ratio"] for v in verdicts if v["ratio"] is not None), default=float("nan"))
-        say(comm, f"# Regressions against {baseline} (tolerance {100 * tolerance:.0f} %, slowest ratio "
-                  f"{worst:.2f}) : {regressed} {'OK' if regressed == 0 else 'FAILED'}")
-    if comm.Get_rank() == 0:
-        if json_path:
-            with open(json_path, "w") as fh:
-                json.dump({"version": __version__, "mode": mode, "ranks": P, "params": params, "rows": rows,
-                           "refused": refused},
-                          fh, indent=1)
-        if junit_path:
-            with open(junit_path, "w") as fh:
-                fh.write(regress.junit_xml(verdicts + [dict(row=dict(r, mode=mode, ranks=P), base=None, ratio=None,
-                                                            status="refused") for r in refused],
-                                           config_keys, metric=metric))
-    sys.exit(1 if wrong else 4 if refused else 3 if regressed else 0)
+    end = dict(mode=mode, params=params, configs=configs, rows=rows, refused=refused, footer=footer, check=check,
+               config_keys=config_keys, metric=metric, base_rows=base_rows, baseline=baseline, tolerance=tolerance,
+               json_path=json_path, junit_path=junit_path)
+    # SIGINT/SIGTERM meanwhile: rank 0 reports the rows so far and the job ends (``interrupt``).
+    with Interrupts(comm, lambda signame: results.finish(comm, interrupted=signame, **end)) as guard:
+        for i, cfg in enumerate(configs):
+            t0 = time.perf_counter()
+            reset_peak()  # this row's peak, not the largest row's before it
+            try:
+                row = run_one(cfg)
+            except Refused as e:  # the same on every rank, before anything was allocated
+                with guard.lock:
+                    refused.append(dict(cfg, why=str(e)))
+                    say(comm, f"# REFUSED {e}")
+                continue
+            with guard.lock:
+                rows.append(row)
+                say(comm, format_row(columns, row))
+            if show_progress:
+                progress(comm, i + 1, len(configs), row, time.perf_counter() - t0, time.perf_counter() - t_start,
+                         sum(work[:i + 1]) / sum(work))
+        with guard.lock:
+            guard.finish()  # a signal from here on lets the run end with its own status
+    sys.exit(results.finish(comm, **end))

@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from ..decode.cache import KVCache
 from ..masks.layout import layout_of
+from ..transport import watchdog
 from ..transport.comm import Channel
 from .common import (DTYPES, REDUCE, TOLERANCE, budget_for, choices, idle_barrier, np_dtype, reads_in_place,
                      resolve_device, say, seqlens, sweep, timed)
@@ -80,22 +81,26 @@ def _new_tokens(cfg, seed, i):
     return [rng.standard_normal(s, dtype=np.float32).astype(dt) for s in ((B, T, Z, d), (B, T, Zkv, d), (B, T, Zkv, d))]
 
 
-def _filled_cache(comm, cfg, seed, dev, window, extra, N=None):
+def _filled_cache(comm, cfg, seed, dev, window, extra, N=None, timeout=None):
     """A KVCache over ``comm`` holding N random tokens, room for ``extra`` more. Loaded in
-    pieces (each contiguous over the ranks) so that the fill holds one piece at a time."""
+    pieces (each contiguous over the ranks) so that the fill holds one piece at a time.
+    ``timeout``: the cache's (``--timeout``; None: ``BURSTMPI_TIMEOUT``)."""
     N = cfg["seqlen"] if N is None else N
     P, rank = comm.Get_size(), comm.Get_rank()
     B, Zkv, d = cfg["batch"], cfg["kv_heads"], cfg["head_dim"]
     dt = np_dtype(cfg["dtype"])
-    cache = KVCache(comm, capacity=capacity(cfg, window, extra, N), batch=B, kv_heads=Zkv, head_dim=d,
-                    dtype=dt, window=window, sinks=cfg.get("sinks") or 0, backend=dev.backend)
+    # The cache on a plain communicator with the bench's handle: the runtime duplicates it, and
+    # mpi4py's Dup makes an object of the caller's class, which watchdog.GuardedComm cannot be
+    # made as (its constructor wants the communicator); the cache has its own deadline.
+    cache = KVCache(MPI.Intracomm(comm), capacity=capacity(cfg, window, extra, N), batch=B, kv_heads=Zkv, head_dim=d,
+                    dtype=dt, window=window, sinks=cfg.get("sinks") or 0, backend=dev.backend, timeout=timeout)
     piece = piece_tokens(cfg, P)
     for i, start in enumerate(range(0, N, piece)):
         C = layout_of("contiguous", P, min(piece, N - start)).count(rank)
         rng = np.random.default_rng([seed, rank, N, i])
         k, v = (dev.put(rng.standard_normal((B, C, Zkv, d), dtype=np.float32).astype(dt, copy=False))
                 for _ in range(2))
-        cache.load(k, v)
+        cache.load(k, v, layout="contiguous")
         del k, v
     return cache
 
@@ -108,11 +113,14 @@ def ring_prepare(cache):
     rt = cache.runtime
     xp = rt.backend.xp
     k, v, pos = cache.shard()
-    ns = rt.comm.allgather(int(pos.size))
+    # The cache's own communicator is not the bench's guarded one: its deadline, by hand.
+    with watchdog.guard("burstmpi-bench --decode: the ring way's shard sizes (allgather)", rt.timeout):
+        ns = rt.comm.allgather(int(pos.size))
     B, Zkv, d, dv, S = cache.batch, cache.kv_heads, cache.head_dim, cache.v_head_dim, max(ns)
     fields = [("k", (B, Zkv, S, d), cache.dtype), ("v", (B, Zkv, S, dv), cache.dtype), ("kpos", (S,), np.int32)]
     (chan,) = rt.channels("decode-ring", [(Channel, fields, TAG_RING, +1)])
-    ns = list(zip(ns, rt.comm.allgather(int(np.count_nonzero(pos < cache.sinks)))))  # (rows, sinks first)
+    with watchdog.guard("burstmpi-bench --decode: the ring way's sink counts (allgather)", rt.timeout):
+        ns = list(zip(ns, rt.comm.allgather(int(np.count_nonzero(pos < cache.sinks)))))  # (rows, sinks first)
     cur = chan.current
     cur["k"][:, :, :pos.size] = k.transpose(0, 2, 1, 3)
     cur["v"][:, :, :pos.size] = v.transpose(0, 2, 1, 3)
@@ -218,23 +226,24 @@ def _count_wrong(comm, cfg, cache, q, out, lse, window, dev):
     return bad  # the same on every rank: the result is
 
 
-def _collective_s(cache, size, iters, dev):
-    """Seconds of an allgather of ``size`` bytes per rank alone on the cache's transport."""
+def _collective_s(comm, cache, size, iters, dev):
+    """Seconds of an allgather of ``size`` bytes per rank alone on the cache's transport
+    (each after a barrier on ``comm``, the bench's: its deadline is ``--timeout``)."""
     rt = cache.runtime
     send, recv = rt.backend.alloc(size), rt.backend.alloc(size * rt.nranks)
     best = float("inf")
     for _ in range(max(1, iters) + 1):
-        t, _ = timed(rt.comm, lambda: rt.transport.allgather(send, recv), dev)
+        t, _ = timed(comm, lambda: rt.transport.allgather(send, recv), dev)
         best = min(best, t)
     return best
 
 
-def _one_rank_s(comm, cfg, *, iters, warmup, seed, dev, window, runs):
+def _one_rank_s(comm, cfg, *, iters, warmup, seed, dev, window, runs, timeout=None):
     """Rank 0 alone with the whole cache (when ``runs``: the row's memory plan says it
     fits): seconds per decode call, or None. The other ranks wait without spinning."""
     result = None
     if comm.Get_rank() == 0 and runs:
-        one = _filled_cache(MPI.COMM_SELF, cfg, seed, dev, window, (warmup + iters) * cfg["tokens"])
+        one = _filled_cache(MPI.COMM_SELF, cfg, seed, dev, window, (warmup + iters) * cfg["tokens"], timeout=timeout)
         times = []
         for i in range(warmup + iters):
             args = [dev.put(x) for x in _new_tokens(cfg, seed, 1000 + i)]
@@ -248,10 +257,11 @@ def _one_rank_s(comm, cfg, *, iters, warmup, seed, dev, window, runs):
     return comm.bcast(result, root=0)
 
 
-def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, window=None):
+def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, window=None, timeout=None):
     """Benchmark one decode configuration; return its row (identical on every rank).
     ``budget`` (``memory.Budget``) checks its memory first: raises ``memory.Refused``
-    when the row does not fit, skips the baselines that do not."""
+    when the row does not fit, skips the baselines that do not. ``timeout``: the caches'
+    (``--timeout``)."""
     P = comm.Get_size()
     _, red = REDUCE[reduce]
     calls = warmup + iters + 1
@@ -259,7 +269,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, wi
     plan = budget.plan(decode_stages(comm, cfg, window=window, calls=calls, one_rank_calls=warmup + iters,
                                      gpu=dev.backend == "cuda", shm=reads_in_place(comm, dev, budget)), label)
     say(comm, *plan.lines)
-    cache = _filled_cache(comm, cfg, seed, dev, window, calls * cfg["tokens"])
+    cache = _filled_cache(comm, cfg, seed, dev, window, calls * cfg["tokens"], timeout=timeout)
     times, compute = [], []
     for i in range(warmup + iters):
         args = [dev.put(x) for x in _new_tokens(cfg, seed, i)]
@@ -280,14 +290,14 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, wi
         t, (_, ring_sent) = timed(comm, lambda: ring_decode(cache, q, state), dev)
         if i >= warmup:
             ring_t.append(t)
-    coll = _collective_s(cache, st.message_bytes, iters, dev)
+    coll = _collective_s(comm, cache, st.message_bytes, iters, dev)
     cache_mb = comm.allreduce(cache.nbytes, op=MPI.MAX) / 1e6
     if plan["the ring way"]:
         peaks["the ring way"] = peak_bytes()
     cache.release()
     reset_peak()
     one = _one_rank_s(comm, cfg, iters=iters, warmup=warmup, seed=seed, dev=dev, window=window,
-                      runs=plan[ONE_RANK])
+                      runs=plan[ONE_RANK], timeout=timeout)
     if plan[ONE_RANK]:
         peaks[ONE_RANK] = peak_bytes()
     all_t = comm.allgather(float(np.mean(times)))
@@ -347,12 +357,12 @@ def main(comm, ctx, o):
                   average=REDUCE[o["reduce"]][0], batch=o["batch"], heads=heads, kv_heads=kv_heads,
                   head_dim=o["head_dim"], window=window, sinks=o["sinks"], seed=o["seed"], backend=dev.backend,
                   baseline=o["baseline"], tolerance=o["tolerance"] if o["baseline"] else None,
-                  mem_limit=o["mem_limit"])
+                  mem_limit=o["mem_limit"], timeout=o["timeout"])
     budget = budget_for(comm, dev, o["mem_limit"])
 
     def run_one(cfg):
         return run_config(comm, cfg, iters=o["iters"], warmup=o["warmup"], check=o["check"], reduce=o["reduce"],
-                          seed=o["seed"], dev=dev, budget=budget, window=window)
+                          seed=o["seed"], dev=dev, budget=budget, window=window, timeout=o["timeout"])
 
     def footer(rows):
         vs_ring = [r["vs_ring"] for r in rows if r["vs_ring"] is not None]

@@ -188,7 +188,11 @@ def check_interop(rep):
 
 def ranks_worker(transport, seqlen_local):
     """Run by each rank under mpiexec: the ring on the GPU against float64."""
-    comm = MPI.COMM_WORLD
+    from ..config import settings
+    from ..transport import watchdog
+
+    # Its collectives under the watchdog's deadline (BURSTMPI_TIMEOUT), as burstmpi-bench's.
+    comm = watchdog.guarded(MPI.COMM_WORLD, settings().timeout, who="burstmpi.bench.gpucheck")
     P, rank = comm.Get_size(), comm.Get_rank()
     bad = []
     import cupy
@@ -237,7 +241,8 @@ def ranks_worker(transport, seqlen_local):
         q, k, v, _ = _problem(1, N0 + T * steps, 8, 2, 128, dtype, seed=P)
         cache = KVCache(capacity=N0 + T * steps, batch=1, kv_heads=2, head_dim=128, dtype=_np_dtype(dtype),
                         backend="cuda")
-        outs = [unshard(cupy.asnumpy(cache.prefill(*(cupy.asarray(shard(x[:, :N0])) for x in (q, k, v)))))]
+        outs = [unshard(cupy.asnumpy(cache.prefill(*(cupy.asarray(shard(x[:, :N0])) for x in (q, k, v)),
+                                                   layout="contiguous")))]
         for s in range(N0, q.shape[1], T):
             outs.append(cupy.asnumpy(cache.decode(*(cupy.asarray(x[:, s:s + T]) for x in (q, k, v)))))
         ours = np.concatenate([_f64(o) for o in outs], axis=1)

@@ -54,15 +54,20 @@ def compare(rows, baseline, tolerance, keys, metric=METRIC):
 
 def junit_xml(verdicts, keys, suite="burstmpi-bench", metric=METRIC):
     """JUnit XML text: one test case per configuration, failed when wrong, regressed or
-    refused (a row that did not fit in memory: its row is the configuration and ``why``)."""
+    refused (a row that did not fit in memory: its row is the configuration and ``why``),
+    skipped when "not run" (the run was interrupted first: ``why`` says by what)."""
     failures = sum(v["status"] in ("wrong", "regressed", "refused") for v in verdicts)
-    ts = ET.Element("testsuite", name=suite, tests=str(len(verdicts)), failures=str(failures))
+    skipped = sum(v["status"] == "not run" for v in verdicts)
+    ts = ET.Element("testsuite", name=suite, tests=str(len(verdicts)), failures=str(failures),
+                    skipped=str(skipped))
     for v in verdicts:
         row = v["row"]
         case = ET.SubElement(ts, "testcase", classname=suite, name=describe(row, keys),
                              time=f"{row.get(metric, 0.0) / 1e3:.6f}")
         if v["status"] == "refused":
             ET.SubElement(case, "failure", message=row["why"])
+        elif v["status"] == "not run":
+            ET.SubElement(case, "skipped", message=row["why"])
         elif v["status"] == "wrong":
             ET.SubElement(case, "failure", message=f"{row['wrong']} wrong values against float64")
         elif v["status"] == "regressed":

@@ -105,7 +105,11 @@ def _run_burstmpi(args, out_dir):
 
     import burstmpi
 
-    comm = MPI.COMM_WORLD
+    from ..config import settings
+    from ..transport import watchdog
+
+    # Its collectives under the watchdog's deadline (BURSTMPI_TIMEOUT), as burstmpi-bench's.
+    comm = watchdog.guarded(MPI.COMM_WORLD, settings().timeout, who="burstmpi.bench.ringpeer")
     N = args["seqlen"]
     glob = _inputs(N, args["heads"], args["head_dim"], args["seed"])
     local = [burstmpi.shard(x, layout="zigzag") for x in glob]

@@ -18,7 +18,7 @@ with no message while the job holds its allocation. burstmpi waits differently:
 When a deadline passes, the rank prints one line on stderr, ``burstmpi watchdog: rank R
 (HOST) in CALL, WHERE: waited S s for rank Q (HOST2); aborting the job (exit 75)``, and
 calls ``MPI_Abort`` with ``EXIT_TIMEOUT``, so the launcher ends every process on every
-host it can reach; a rank cut off from its launcher ends itself (``_abort``).
+host it can reach; a rank cut off from its launcher ends itself (``abort``).
 
 The deadline is ``timeout`` seconds per wait (``BurstAttention(timeout=)``, the bench's
 ``--timeout``, default ``BURSTMPI_TIMEOUT`` or 300 s: long enough for a slow first call
@@ -41,7 +41,7 @@ from mpi4py import MPI
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_EXCEPTION", "DEFAULT_TIMEOUT", "PREFIX", "complete", "guard", "guarded",
            "allgather", "bcast", "GuardedComm",
-           "expire", "entering", "leaving", "learn_hosts", "who", "check_timeout", "install_excepthook"]
+           "expire", "abort", "entering", "leaving", "learn_hosts", "who", "check_timeout", "install_excepthook"]
 
 EXIT_TIMEOUT = 75     # sysexits' EX_TEMPFAIL: the job did not fail by itself; a rerun may pass
 EXIT_EXCEPTION = 1    # an uncaught exception on one rank (``install_excepthook``), as Python exits
@@ -117,17 +117,18 @@ def expire(text, code=EXIT_TIMEOUT):
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
     finally:
-        _abort(code)
+        abort(code)
 
 
-def _abort(code):
-    """``MPI_Abort`` on COMM_WORLD: the launcher ends every process of the job. Should the
-    abort itself block (a launcher that cannot be reached), a timer ends this process."""
+def abort(code, comm=None):
+    """``MPI_Abort`` with exit status ``code`` on ``comm`` (default COMM_WORLD): the launcher
+    ends every process of the job. Should the abort itself block (a launcher that cannot be
+    reached), a timer ends this process. Does not return."""
     timer = threading.Timer(ABORT_GRACE_S, os._exit, (code,))
     timer.daemon = True
     timer.start()
     try:
-        MPI.COMM_WORLD.Abort(code)
+        (MPI.COMM_WORLD if comm is None else comm).Abort(code)
     finally:
         os._exit(code)
 
@@ -276,13 +277,20 @@ class GuardedComm(MPI.Intracomm):
     Gathers and reductions go to every rank (the same bytes as a gather plus a broadcast;
     small objects: a program's bookkeeping)."""
 
-    def __new__(cls, comm, timeout=DEFAULT_TIMEOUT, who="burstmpi"):
+    def __new__(cls, comm=None, timeout=DEFAULT_TIMEOUT, who="burstmpi"):
+        # ``comm=None``: mpi4py's ``Dup`` makes its result of the caller's class, unargued.
         self = super().__new__(cls, comm)
         self._timeout, self._who = float(timeout), who
         return self
 
     def _what(self, name):
         return f"{self._who}: {name}"
+
+    def Dup(self, *info):
+        """A duplicate with the same deadline (burstmpi's private communicator of this one)."""
+        dup = super().Dup(*info)
+        dup._timeout, dup._who = self._timeout, self._who
+        return dup
 
     def allgather(self, sendobj):
         return allgather(self, sendobj, self._timeout, self._what("allgather"))

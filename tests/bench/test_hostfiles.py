@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -59,3 +60,77 @@ def test_nightly_regression_job(tmp_path):
     assert third.returncode == 3 and "PERFORMANCE REGRESSION" in third.stdout, third.stdout + third.stderr
     junits = sorted(tmp_path.glob("junit-*.xml"))
     assert junits and "<failure" in junits[-1].read_text()
+
+
+def _nightly_env(tmp_path, **kw):
+    env = dict(os.environ, RANKS="2", OUT=str(tmp_path / "out"), OPENBLAS_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.update(kw)
+    return env
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["SIGINT-to-the-group (Ctrl-C)", "SIGTERM-to-the-script"])
+def test_nightly_reports_an_interrupted_run_as_interrupted(tmp_path, sig, to_group):
+    """Ctrl-C reaches the script's whole process group; a scheduler's or `timeout`'s SIGTERM
+    may reach the script alone. Either way the job gets the signal once, writes the rows
+    done and ends, and the script says INTERRUPTED with the signal's status (it said
+    `WRONG VALUES (exit 1)` before, with neither file written)."""
+    from test_interrupt import _signal_after_first_row
+
+    env = _nightly_env(tmp_path, SWEEP="-b 256 -e 16K -f 2 -H 2 -D 32 -m causal -n 2 -w 1")
+    rc, out, err = _signal_after_first_row(["bash", str(HOSTS / "nightly-regression.sh")], sig,
+                                           tmp_path / "log.txt", to_group=to_group, env=env)
+    name = signal.Signals(sig).name
+    assert rc == 128 + sig, out + err
+    last = out.splitlines()[-1]
+    rows = [l for l in out.splitlines() if re.match(r"^ +\d", l)]
+    assert last.startswith(f"# nightly: INTERRUPTED by {name} (exit {128 + sig}) after {len(rows)} rows, written to "
+                           "run-"), out + err
+    assert "WRONG VALUES" not in out and "passed to the job once" in err
+    (js,), (junit,) = (tmp_path / "out").glob("run-*.json"), (tmp_path / "out").glob("junit-*.xml")
+    assert len(json.loads(js.read_text())["rows"]) == len(rows) >= 1
+    assert "<skipped" in junit.read_text() and not (tmp_path / "out" / "baseline.json").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("status, verdict", [(75, "# nightly: A RANK OR LINK STOPPED ANSWERING (watchdog, exit 75"),
+                                             (1, "# nightly: WRONG VALUES (exit 1)"),
+                                             (143, "# nightly: INTERRUPTED by SIGTERM (exit 143); the job did not "
+                                                   "report its rows")])
+def test_nightly_names_each_exit_status(tmp_path, status, verdict):
+    """A launcher that ends with the watchdog's 75 is reported as a rank or link that stopped
+    answering, never as wrong values."""
+    fake = tmp_path / "launcher"
+    fake.write_text(f"#!/bin/bash\necho 'burstmpi watchdog: rank 1 (node-b) ...' >&2\nexit {status}\n")
+    fake.chmod(0o755)
+    res = subprocess.run(["bash", str(HOSTS / "nightly-regression.sh")], env=_nightly_env(tmp_path, LAUNCH=str(fake)),
+                         capture_output=True, text=True, timeout=50)
+    assert res.returncode == status and res.stdout.splitlines()[-1].startswith(verdict), res.stdout + res.stderr
+
+
+@pytest.mark.timeout(200)
+def test_nightly_runs_the_installed_burstmpi_and_writes_outside_the_tree(tmp_path):
+    """Started from a checkout's root (whose burstmpi here refuses to be imported), the job
+    runs the installed burstmpi, from its results folder, by default under XDG_STATE_HOME."""
+    checkout = tmp_path / "checkout"
+    (checkout / "hostfiles").mkdir(parents=True)
+    (checkout / "burstmpi").mkdir()
+    (checkout / "burstmpi" / "__init__.py").write_text("raise ImportError('the checkout was imported')\n")
+    shutil.copy(HOSTS / "nightly-regression.sh", checkout / "hostfiles")
+    fake = tmp_path / "one-rank"  # a launcher that runs the job as one process, noting where
+    fake.write_text(f"#!/bin/bash\npwd > {tmp_path / 'cwd'}\nexec \"$@\"\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
+    env.update(XDG_STATE_HOME=str(tmp_path / "state"), LAUNCH=str(fake), OPENBLAS_NUM_THREADS="1",
+               SWEEP="-b 128 -e 128 -H 2 -D 16 -m causal -n 1 -w 0")
+    res = subprocess.run(["bash", "hostfiles/nightly-regression.sh"], cwd=checkout, env=env, capture_output=True,
+                         text=True, timeout=180)
+    out = tmp_path / "state" / "burstmpi" / "nightly"
+    assert res.returncode == 0 and res.stdout.splitlines()[-1] == "# nightly: OK", res.stdout + res.stderr
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("# nightly: burstmpi ") and str(checkout) not in first and f"results in {out}" in first
+    assert (tmp_path / "cwd").read_text().strip() == str(out)
+    assert (out / "baseline.json").exists() and not any(p.suffix == ".json" for p in checkout.rglob("*"))
