@@ -191,11 +191,6 @@ def checksum(signature):
     return zlib.crc32(repr(signature).encode()) & 0x7FFFFFFF
 
 
-# The agreement's records travel to rank 0 on this tag of burstmpi's private communicator
-# (the rings' tags are 11 and up).
-TAG_ARRIVE = 9
-
-
 def agree(comm, fn, error, signature, length=0, idle=False, timeout=None):
     """Raise on every rank if any rank has ``error`` or the ranks' signatures differ;
     return every rank's ``length`` (its local sequence length), in rank order.
@@ -209,34 +204,12 @@ def agree(comm, fn, error, signature, length=0, idle=False, timeout=None):
     the one missing. Every wait sleeps between tests where ranks take turns on cores
     (``idle``) and ends within ``timeout`` seconds (default ``BURSTMPI_TIMEOUT``).
     """
-    from mpi4py import MPI
-
     from .config import settings
-    from .transport.watchdog import complete, expire, peers_expired, who
+    from .transport.watchdog import gather_on_root
 
     timeout = settings().timeout if timeout is None else timeout
     h = checksum(signature)
-    mine = np.array([1 if error else 0, h, int(length)], dtype=np.int64)
-    P = comm.Get_size()
-    every = np.empty((P, 3), dtype=np.int64)
-    if comm.Get_rank() == 0:
-        every[0] = mine
-        reqs = [comm.Irecv([every[r], MPI.INT64_T], source=r, tag=TAG_ARRIVE) for r in range(1, P)]
-
-        def missing(pending, waited):
-            expire(f"{who(comm, [i + 1 for i in pending])} did not call {fn} within {waited:.0f} s (or cannot "
-                   "be reached)")
-        complete(reqs, idle, timeout, missing)
-        complete([comm.Ibcast([every, MPI.INT64_T], root=0)], idle, timeout,
-                 peers_expired(comm, (), f"the broadcast of {fn}'s agreement"))
-    else:
-        reqs = [comm.Isend([mine, MPI.INT64_T], dest=0, tag=TAG_ARRIVE), comm.Ibcast([every, MPI.INT64_T], root=0)]
-
-        def unanswered(pending, waited):
-            expire(f"{who(comm, [0])} did not answer the agreement of {fn} within {waited:.0f} s (it waits "
-                   "for every rank: a rank that did not make the call, or a host that cannot be reached)")
-        # Rank 0 names the missing ranks if it can: the others give it time to.
-        complete(reqs, idle, timeout + min(5.0, 0.25 * timeout), unanswered)
+    every = gather_on_root(comm, [1 if error else 0, h, int(length)], timeout, f"call {fn}", idle)
     if not every[:, 0].any() and (every[:, 1] == h).all():
         return every[:, 2]
     report(comm, fn, error, signature, timeout)

@@ -331,11 +331,8 @@ def barrier(comm, idle=False):
     (``watchdog.complete``). MPI_Barrier busy-polls: where ranks take turns on a core, a rank
     done early would take half of its core from the rank still working there, and time that
     rank's phase slower."""
-    def expired(pending, waited):
-        watchdog.expire(f"burstmpi-bench: a barrier: waited {waited:.0f} s for the other ranks of {comm.Get_size()}")
-
-    # Nonblocking everywhere: ``idle`` may differ by node.
-    watchdog.complete([comm.Ibarrier()], idle, deadline(comm), expired)
+    # Nonblocking everywhere (``idle`` may differ by node), and it names who did not come.
+    watchdog.barrier(comm, deadline(comm), "a barrier of burstmpi-bench", idle)
 
 
 def idle_barrier(comm):

@@ -139,7 +139,9 @@ class Interrupts:
                                      f"{type(e).__name__}: {e}\n")
                 sys.stdout.flush()
                 sys.stderr.flush()
-            abort(code, self.comm)
+                # Still holding the lock: a row the main thread finishes meanwhile is neither
+                # printed nor kept after the report that leaves it out.
+                abort(code, self.comm)
         time.sleep(GRACE_S)
         if self.finished:
             return

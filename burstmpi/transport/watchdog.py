@@ -40,7 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_EXCEPTION", "DEFAULT_TIMEOUT", "PREFIX", "complete", "guard", "guarded",
-           "allgather", "bcast", "GuardedComm",
+           "allgather", "bcast", "GuardedComm", "gather_on_root", "barrier",
            "expire", "abort", "entering", "leaving", "learn_hosts", "who", "check_timeout", "install_excepthook"]
 
 EXIT_TIMEOUT = 75     # sysexits' EX_TEMPFAIL: the job did not fail by itself; a rerun may pass
@@ -178,6 +178,47 @@ def peers_expired(comm, peers, where="a transfer"):
     return expired
 
 
+# -- arrivals ---------------------------------------------------------------------------------
+# A barrier or an allgather cannot say who has not arrived. Records sent to rank 0 can: it
+# names the ranks whose records did not come, and the others name rank 0 if it does not
+# answer (a little later, so rank 0's line comes first when it can print one).
+
+TAG_ARRIVE = 9  # on the communicator given; burstmpi's rings use tags 11 and up
+
+
+def gather_on_root(comm, record, timeout=DEFAULT_TIMEOUT, doing="arrive", idle=False):
+    """Every rank's ``record`` (a 1-D int64 array, the same length everywhere), in rank
+    order, on every rank: sent to rank 0, which broadcasts them all. A rank whose record
+    does not come within ``timeout`` seconds is named: ``ranks [1, 2] (node-b) did not
+    {doing} within 300 s``. Point-to-point on ``TAG_ARRIVE`` of ``comm``."""
+    record = np.ascontiguousarray(record, dtype=np.int64)
+    P = comm.Get_size()
+    every = np.empty((P, record.size), dtype=np.int64)
+    if comm.Get_rank() == 0:
+        every[0] = record
+        reqs = [comm.Irecv([every[r], MPI.INT64_T], source=r, tag=TAG_ARRIVE) for r in range(1, P)]
+
+        def missing(pending, waited):
+            expire(f"{who(comm, [i + 1 for i in pending])} did not {doing} within {waited:.0f} s (or cannot be "
+                   "reached)")
+        complete(reqs, idle, timeout, missing)
+        complete([comm.Ibcast([every, MPI.INT64_T], root=0)], idle, timeout,
+                 peers_expired(comm, (), f"the broadcast of every rank's arrival (to {doing})"))
+    else:
+        reqs = [comm.Isend([record, MPI.INT64_T], dest=0, tag=TAG_ARRIVE), comm.Ibcast([every, MPI.INT64_T], root=0)]
+
+        def unanswered(pending, waited):
+            expire(f"{who(comm, [0])}, which collects every rank's arrival, did not answer within {waited:.0f} s "
+                   f"(a rank did not {doing}, or a host cannot be reached)")
+        complete(reqs, idle, timeout + min(5.0, 0.25 * timeout), unanswered)
+    return every
+
+
+def barrier(comm, timeout=DEFAULT_TIMEOUT, what="a barrier", idle=False):
+    """A barrier that names the ranks that did not reach it (``gather_on_root``)."""
+    gather_on_root(comm, np.zeros(1, np.int64), timeout, f"reach {what}", idle)
+
+
 # -- blocking calls -------------------------------------------------------------------------
 
 class _Monitor:
@@ -310,7 +351,7 @@ class GuardedComm(MPI.Intracomm):
         return bcast(self, obj, root, self._timeout, self._what("bcast"))
 
     def Barrier(self):
-        _finish(self, [self.Ibarrier()], self._timeout, self._what("barrier"))
+        barrier(self, self._timeout, self._what("a barrier"))
 
     barrier = Barrier
 

