@@ -104,7 +104,7 @@ def _timeout():
     warning where only that one is set, else 300."""
     if not os.environ.get("BURSTMPI_TIMEOUT") and os.environ.get("BURSTMPI_NCCL_TIMEOUT"):
         warnings.warn("BURSTMPI_NCCL_TIMEOUT is replaced by BURSTMPI_TIMEOUT, which bounds every wait on other "
-                      "ranks (not only NCCL's); set that instead", DeprecationWarning, stacklevel=3)
+                      "ranks (not only NCCL's); set that instead", FutureWarning, stacklevel=3)
         return float(_number("BURSTMPI_NCCL_TIMEOUT", 300.0, float, 1e-3))
     return float(_number("BURSTMPI_TIMEOUT", 300.0, float, 1e-3))
 

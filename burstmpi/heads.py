@@ -76,7 +76,8 @@ class HeadParallel:
         plan, u = self.plan, self.u
         comm, rank = plan.comm, plan.rank
         # The members of my group, in order; the members of my index, group by group.
-        group, ring = split_once(comm, ("head_parallel", u), [(rank // u, rank % u), (rank % u, rank // u)])
+        group, ring = split_once(comm, ("head_parallel", u), [(rank // u, rank % u), (rank % u, rank // u)],
+                                 plan.runtime.timeout)
         self._comms = (group, ring)
         rt = plan.runtime
         inner = type(plan)(ring, causal=plan.causal, window=plan.window_arg, softmax_scale=plan.softmax_scale,
@@ -94,7 +95,7 @@ class HeadParallel:
         """The group's exchange for this call's layout and arrays (the last one kept: a
         training loop repeats its lengths, and packed documents change them every batch):
         on the ring's transport where it moves device arrays itself (``exchange_transport``),
-        else ``MPI.Alltoallv`` of host arrays."""
+        else MPI's all-to-all of host arrays (nonblocking, within the plan's deadline)."""
         transport, group = self.plan.transport, self._comms[0]
         if self._mover is None or self._mover[0] is not transport:  # made once per ring transport
             self._mover = (transport, exchange_transport(transport, group))
@@ -196,7 +197,7 @@ class HeadParallel:
 
 def exchange_transport(transport, group):
     """The transport the all-to-all of ``group`` (an MPI communicator) runs on, or None for
-    ``MPI.Alltoallv`` of host arrays: NCCL's grouped transfers where the ring's transport
+    MPI's all-to-all of host arrays: NCCL's grouped transfers where the ring's transport
     is NCCL (a communicator of the group's own), so GPU arrays skip the host."""
     return transport.on(group) if transport.name == "nccl" else None
 

@@ -100,6 +100,9 @@ class Runtime:
         switch between host and GPU). ``options`` are the plan's (name, value) pairs, agreed
         on before the GPU set-up's collectives so a rank that disagrees raises, not hangs."""
         watchdog.entering(fn)
+        # Plans on one communicator share its shared-window transport: each call waits
+        # with its own plan's deadline.
+        self.transport.timeout = self.timeout
         if getattr(self.backend, "name", None) == kind and self.nodes is not None:
             return
         # The slowed links' setting picks the host transport and is refused with GPU arrays:
@@ -311,7 +314,8 @@ class Runtime:
         self._arena = None
         window = getattr(self.transport, "free", None)  # collective (a shared window)
         if window is not None:
-            window()
+            with watchdog.guard("the release of the ring buffers' shared window (collective)", self.timeout):
+                window()
         free = getattr(self.backend, "release", None)
         if free is not None:
             free()

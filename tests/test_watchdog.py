@@ -176,7 +176,7 @@ def test_the_environment_sets_the_default_and_the_old_name_warns(monkeypatch):
     assert settings().timeout == 12.5
     monkeypatch.delenv("BURSTMPI_TIMEOUT")
     monkeypatch.setenv("BURSTMPI_NCCL_TIMEOUT", "40")
-    with pytest.warns(DeprecationWarning, match="BURSTMPI_TIMEOUT"):
+    with pytest.warns(FutureWarning, match="BURSTMPI_TIMEOUT"):
         assert settings().timeout == 40.0
     monkeypatch.setenv("BURSTMPI_TIMEOUT", "0")
     with pytest.raises(ValueError, match="BURSTMPI_TIMEOUT"):

@@ -57,7 +57,7 @@ from ..plan import BurstAttention
 from ..transport.nodes import nodes
 from .columns import (ALL_COLUMNS, COLUMNS, CONFIG_KEYS, HEAD_COLUMNS, LEGEND, MASK_COLUMNS, MEMORY_COLUMNS,
                       NODE_COLUMNS, PADDED_COLUMNS, PRESETS, TORCH_COLUMNS)
-from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, guard, np_dtype,
+from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, deadline, np_dtype,
                      reads_in_place, resolve_device, say, seqlens, sweep, timed)
 from .estimates import attention_stages
 from .memory import Budget
@@ -102,21 +102,19 @@ def _count_wrong(comm, cfg, local, out, lse, grads, window, positions, cu_seqlen
     dk and dv against float64 given the forward's lse and out (checked just before), so
     a fault in the backward's ring shows up on its own.
     """
-    lay = dict(layout=cfg["layout"], cu_seqlens=cu_seqlens)
+    lay = dict(layout=cfg["layout"], cu_seqlens=cu_seqlens, timeout=deadline(comm))  # each wait within it
     q, k, v, do = local
     dq, dk, dv = grads
-    with guard(comm, "the float64 check's unshard of q, k, v, dout and lse"):
-        kg, vg = unshard(k, **lay), unshard(v, **lay)
-        qg, dog = unshard(q, **lay), unshard(do, **lay)
-        lse_g = unshard(lse, axis=2, **lay)
+    kg, vg = unshard(k, **lay), unshard(v, **lay)
+    qg, dog = unshard(q, **lay), unshard(do, **lay)
+    lse_g = unshard(lse, axis=2, **lay)
     # delta = rowsum(do * out) in float64, a block of rows at a time (no float64 copy of the shard)
     delta = np.empty(out.shape[:1] + out.shape[2:3] + out.shape[1:2])
     for a in range(0, out.shape[1], reference.CHUNK):
         b = a + reference.CHUNK
         delta[:, :, a:b] = np.einsum("bnhd,bnhd->bhn", np.asarray(do[:, a:b], np.float64),
                                      np.asarray(out[:, a:b], np.float64))
-    with guard(comm, "the float64 check's unshard of delta"):
-        delta_g = unshard(delta, axis=2, **lay)
+    delta_g = unshard(delta, axis=2, **lay)
     N = cfg["seqlen"]
     sample = np.unique(np.linspace(0, N - 1, min(CHECK_ROWS, N)).astype(np.int64))
     mine = np.nonzero(np.isin(positions, sample))[0]

@@ -16,7 +16,7 @@ regressed, else 0; SIGINT or SIGTERM keep the rows done and exit 130 or 143
 Every wait of the bench on other ranks has the watchdog's deadline (``--timeout``;
 ``burstmpi.transport.watchdog``): its communicator is ``watchdog.guarded`` (the pickled
 collectives), its barriers complete within ``deadline(comm)``, and the few blocking calls
-that have no deadline of their own (splitting a communicator, ``unshard``) run inside
+that have no deadline of their own (splitting a communicator) run inside
 ``guard``. On expiry the job ends with exit 75.
 """
 
@@ -39,6 +39,7 @@ from ..sizes import parse_bytes, parse_size
 from ..transport import watchdog
 from ..transport.nodes import nodes
 from . import regress, results
+from .results import say
 from .binding import bind_ranks
 from .interrupt import Interrupts
 from .memory import Budget, Refused, peak_bytes, reset_peak
@@ -100,8 +101,8 @@ def deadline(comm):
 
 
 def guard(comm, what):
-    """A blocking call on ``comm`` without a deadline of its own (a communicator split,
-    ``unshard``) run under the watchdog's (``watchdog.guard``); none alone (no one to wait for)."""
+    """A blocking call on ``comm`` without a deadline of its own (a communicator split) run
+    under the watchdog's (``watchdog.guard``); none alone (no one to wait for)."""
     if comm.Get_size() == 1:
         return contextlib.nullcontext()
     return watchdog.guard(f"burstmpi-bench: {what}", deadline(comm))
@@ -158,13 +159,6 @@ def cpu_kernels_line(comm):
         how += f"; float32 blocks on {packed.describe()}"
     return (f"#  CPU kernels: {how}; {threads} tile thread(s) per rank, each with 1-threaded BLAS "
             f"(BURSTMPI_THREADS to change)")
-
-
-def say(comm, *lines):
-    if comm.Get_rank() == 0:
-        for line in lines:
-            click.echo(line)
-        sys.stdout.flush()
 
 
 def seqlens(minseq, maxseq, factor):

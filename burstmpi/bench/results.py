@@ -20,7 +20,8 @@ __all__ = ["finish", "EXIT_WRONG", "EXIT_REGRESSED", "EXIT_REFUSED"]
 EXIT_WRONG, EXIT_REGRESSED, EXIT_REFUSED = 1, 3, 4
 
 
-def _say(comm, *lines):
+def say(comm, *lines):
+    """Print ``lines`` on rank 0 (the bench's every line of output)."""
     if comm.Get_rank() == 0:
         for line in lines:
             click.echo(line)
@@ -37,7 +38,7 @@ def finish(comm, *, mode, params, configs, rows, refused, footer, check, config_
     rows ...`` (the caller then ends the job with the signal's code)."""
     P = comm.Get_size()
     wrong = sum(max(r["wrong"], 0) for r in rows)
-    _say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+    say(comm, f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
                + ("" if check else " (not checked: -c 0)"),
          *(footer(rows) if rows else []),
          *([f"# Max peak memory per rank (MB) : {max(r['peak_mb'] for r in rows):.0f}"] if rows else []),
@@ -49,13 +50,13 @@ def finish(comm, *, mode, params, configs, rows, refused, footer, check, config_
         for v in verdicts:
             r = v["row"]
             if v["status"] == "regressed":
-                _say(comm, f"# REGRESSED {regress.describe(r, config_keys)}: {metric} {r[metric]:.3f} vs "
+                say(comm, f"# REGRESSED {regress.describe(r, config_keys)}: {metric} {r[metric]:.3f} vs "
                            f"baseline {v['base'][metric]:.3f} ({100 * (v['ratio'] - 1):+.1f} %)")
             elif v["status"] == "new":
-                _say(comm, f"# NEW (no baseline row) {regress.describe(r, config_keys)}")
+                say(comm, f"# NEW (no baseline row) {regress.describe(r, config_keys)}")
         regressed = sum(v["status"] == "regressed" for v in verdicts)
         worst = max((v["ratio"] for v in verdicts if v["ratio"] is not None), default=float("nan"))
-        _say(comm, f"# Regressions against {baseline} (tolerance {100 * tolerance:.0f} %, slowest ratio "
+        say(comm, f"# Regressions against {baseline} (tolerance {100 * tolerance:.0f} %, slowest ratio "
                    f"{worst:.2f}) : {regressed} {'OK' if regressed == 0 else 'FAILED'}")
     not_run = configs[len(rows) + len(refused):] if interrupted else []
     if comm.Get_rank() == 0:
@@ -77,7 +78,7 @@ def finish(comm, *, mode, params, configs, rows, refused, footer, check, config_
                 fh.write(regress.junit_xml(cases, config_keys, metric=metric))
     if interrupted:
         written = " and ".join(p for p in (json_path, junit_path) if p)
-        _say(comm, f"# INTERRUPTED by {interrupted} after {len(rows)} row{'' if len(rows) == 1 else 's'} "
+        say(comm, f"# INTERRUPTED by {interrupted} after {len(rows)} row{'' if len(rows) == 1 else 's'} "
                    f"(of {len(configs)}; {len(not_run)} not run)"
                    + (f": the rows measured are in {written}" if written else ""))
     return EXIT_WRONG if wrong else EXIT_REFUSED if refused else EXIT_REGRESSED if regressed else 0

@@ -90,7 +90,8 @@ class _Rings:
         # names this node map in the geometry's cache of routes (a string: its hash is kept)
         self.path_name = "two-level:" + ",".join(map(str, nodes.node_of))
         self.inner, self.outer = split_once(comm, ("two-level", nodes.node_of),
-                                            [(self.node, self.local), (self.local, self.node)])
+                                            [(self.node, self.local), (self.local, self.node)],
+                                            plan.runtime.timeout)
         # The plan's kind of transport on each ring's communicator (``on``): NCCL with a
         # communicator and a stream per ring on GPUs, MPI on the host (a shared window is
         # the plan communicator's, so its rings copy through MPI).

@@ -9,7 +9,7 @@ places in that order, not one member after another.
 
 Two ways to move the shares, one exchange per array and direction:
 
-- ``MPI.Alltoallv`` of bytes, on host arrays (GPU arrays are staged through host memory
+- ``MPI.Ialltoallv`` of bytes completed within the deadline, on host arrays (GPU arrays are staged through host memory
   when the ring's transport is MPI). Counts are bytes, so a member's share over
   2**31 - 1 bytes needs MPI-4's large-count routines, which mpi4py 4 calls where the MPI
   library has them: a 2 GiB + 64 B exchange between 2 ranks arrived intact with mpi4py
@@ -37,7 +37,7 @@ TAG = 51  # the point-to-point exchange's messages (a transport of the group's o
 class HeadExchange:
     """The all-to-all of one group: ``comm`` (the group's ranks, in group order) and the
     positions each member holds (``positions[m]``, increasing). ``transport``: None for
-    ``MPI.Alltoallv`` of host arrays, or a transport over ``comm`` whose grouped
+    ``MPI.Ialltoallv`` of host arrays, or a transport over ``comm`` whose grouped
     point-to-point transfers carry the shares (NCCL: arrays of ``xp``, CuPy)."""
 
     def __init__(self, comm, positions, transport=None, xp=np, waits=None):

@@ -177,6 +177,8 @@ class Channel(Counted):
     When fewer rows go on than arrived, they are first copied into a staging packet
     allocated on first use by ``stage``; without row counts every packet is full."""
 
+    step = 0  # the transfers posted since the phase began (the watchdog names the ring step)
+
     @staticmethod
     def copies(single):
         """Packet-sized buffers it allocates: a ring of one rank never receives, so its
@@ -202,6 +204,7 @@ class Channel(Counted):
         if self._ahead is not None:  # sent ahead, always posted by the next step of its phase
             raise RuntimeError(f"{type(self).__name__}.begin: the last phase left a packet sent ahead")
         self._forward = None
+        self.step = 0
         self.reset_counts()
         self._held = [self.rows, self.rows]
 
@@ -228,9 +231,10 @@ class Channel(Counted):
             raise RuntimeError(f"{type(self).__name__}.post: the previous transfer has not been waited for")
         for arg, n in (("send_rows", send_rows), ("recv_rows", recv_rows), ("forward_rows", forward_rows)):
             check_rows(self, arg, n, self.rows)
+        self.step += 1
         reqs, peers = [], []
         if send:
-            peers.append(("send the ring's packet to", self.send_to))
+            peers.append((f"send the ring's packet of step {self.step} to", self.send_to))
             if self._ahead is not None:  # already on its way (``progress``)
                 req, rows = self._ahead
                 if rows != send_rows:
@@ -247,7 +251,7 @@ class Channel(Counted):
         if recv:
             into, n = self._incoming(recv_rows)
             reqs.append(self.transport.irecv(into, self.recv_from, self.tag))
-            peers.append(("receive the ring's packet from", self.recv_from))
+            peers.append((f"receive the ring's packet of step {self.step} from", self.recv_from))
             self.bytes_recv += n
         eager = recv and forward and getattr(self.transport, "eager", False)
         self._forward = (forward_rows,) if eager else None

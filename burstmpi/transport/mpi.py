@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .comm import _address
-from .watchdog import DEFAULT_TIMEOUT, complete, peers_expired
+from .watchdog import DEFAULT_TIMEOUT, complete, guard, peers_expired
 
 __all__ = ["MPITransport", "DeviceMPITransport", "StagedMPITransport"]
 
@@ -100,6 +100,13 @@ class DeviceMPITransport(MPITransport):
     def isend(self, buf, dest, tag):
         self._synchronize()
         return super().isend(buf, dest, tag)
+
+    def allgather(self, send, recv):
+        """Blocking (a CUDA-aware MPI may support device buffers in blocking collectives
+        only), after the kernels that wrote ``send``, under the watchdog's monitor."""
+        self._synchronize()
+        with guard("the allgather of every rank's part (device buffers)", self.timeout):
+            self.comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
 
 
 class _Staged:

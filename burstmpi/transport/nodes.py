@@ -32,9 +32,9 @@ class Nodes:
         self.rank = rank
 
     @classmethod
-    def blocks(cls, nranks, per_node, rank=0):
+    def blocks(cls, nranks, per_node, rank=0, hosts=None):
         """Consecutive blocks of ``per_node`` ranks (``BURSTMPI_RANKS_PER_NODE``)."""
-        return cls([r // per_node for r in range(nranks)], rank)
+        return cls([r // per_node for r in range(nranks)], rank, hosts)
 
     @property
     def count(self):
@@ -94,8 +94,7 @@ def nodes(comm, timeout=DEFAULT_TIMEOUT):
         raise ValueError(f"BURSTMPI_RANKS_PER_NODE: expected the same on every rank, got {[g for g, _ in every]} "
                          "(by rank)")
     if per_node:
-        n = comm.Get_size()
-        return Nodes([r // per_node for r in range(n)], comm.Get_rank(), hosts)
+        return Nodes.blocks(comm.Get_size(), per_node, comm.Get_rank(), hosts)
     with guard("node discovery: the shared-memory split", timeout):
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:  # the node's lowest rank names it

@@ -226,6 +226,7 @@ class ShmChannel(Channel):
         if self._pending is not None or self._ahead is not None:
             raise RuntimeError("ShmChannel.begin: the last phase left a transfer posted")
         self._forward = None
+        self.step = 0
         self._owner = self.transport.rank
         self._held = self.rows
         self.reset_counts()
@@ -293,6 +294,7 @@ class ShmPartialChannel(Counted):
         self._got = np.zeros(2, dtype=np.int64)     # received tokens: [passing, home]
         self._acked = np.zeros(2, dtype=np.int64)   # acknowledgements' landing places
         self._acks = [None, None]  # per send buffer: the receive of its acknowledgement
+        self._readers = [None, None]  # per send buffer: the rank it was sent to (the watchdog names it)
         self._sends = []           # tokens and acknowledgements in flight
         self._recvs = {}           # home? -> (request, source, rows) of a posted receive
         self._unacked = []         # (source, buffer) of partials added, not yet acknowledged
@@ -353,7 +355,7 @@ class ShmPartialChannel(Counted):
         check_rows(self, "rows", rows, self.rows)
         i = self._next
         if self._acks[i] is not None:
-            self.transport.wait([self._acks[i]], [("receive an acknowledgement from", self.send_to)])
+            self.transport.wait([self._acks[i]], [("receive an acknowledgement from", self._readers[i])])
             self._acks[i] = None
             self.transport.sync()  # the reader's reads before our writes
         self._send_rows = self.rows if rows is None else rows
@@ -377,6 +379,7 @@ class ShmPartialChannel(Counted):
         self._sends.append(self.transport.isend(self._ids[i:i + 1], dest, self.tag + (HOME_TAG_OFFSET if home else 0)))
         if not home:
             self._acks[i] = self.transport.irecv(self._acked[i:i + 1], dest, self.tag + ACK_TAG_OFFSET + i)
+            self._readers[i] = dest
         self.count_sent(dest, rows_bytes(self._fields, self._send_rows))
         self._next = 1 - i
 

@@ -9,7 +9,7 @@ with no message while the job holds its allocation. burstmpi waits differently:
   sleeps between tests (a spinning rank would take half a core from the rank it waits
   for); elsewhere it spins, as ``MPI_Waitall`` would.
 - ``guard(what)``: the few blocking calls MPI has no nonblocking form of (splitting or
-  duplicating a communicator, allocating a shared window) run while a monitor thread
+  duplicating a communicator, allocating or freeing a shared window) run while a monitor thread
   holds their deadline. It sleeps until then, so a guard costs a lock and a notify, and
   nothing while it waits.
 - ``allgather``, ``bcast`` and ``guarded(comm)``: pickled collectives built on nonblocking
@@ -30,6 +30,7 @@ sees in ``mpiexec``'s output.
 
 import contextlib
 import functools
+import numbers
 import os
 import pickle
 import sys
@@ -57,7 +58,8 @@ _call = [None]        # the burstmpi call in progress on this rank
 
 def check_timeout(fn, timeout):
     """``timeout`` as a float number of seconds > 0, or ValueError naming ``fn``."""
-    ok = not isinstance(timeout, bool) and isinstance(timeout, (int, float)) and 0 < float(timeout) < float("inf")
+    ok = (not isinstance(timeout, (bool, np.bool_)) and isinstance(timeout, numbers.Real)
+          and 0 < float(timeout) < float("inf"))
     if not ok:
         raise ValueError(f"{fn}: timeout: expected a finite number of seconds > 0 (or None: BURSTMPI_TIMEOUT, "
                          f"default {DEFAULT_TIMEOUT:.0f}), got {timeout!r}")
@@ -108,22 +110,31 @@ def _me():
     return f"rank {rank} ({_hosts.get(rank) or MPI.Get_processor_name()})"
 
 
+_expiring = threading.Lock()  # the first thread to expire ends the job; a second one waits
+
+
 def expire(text, code=EXIT_TIMEOUT):
     """A deadline passed: one line naming this rank, the call and ``text``; then end the
     job. Does not return."""
-    call = f" in {_call[0]}" if _call[0] else ""
-    line = f"{PREFIX}{_me()}{call}: {text}; aborting the job (MPI_Abort, exit {code})"
+    if not _expiring.acquire(blocking=False):  # the monitor thread and the main one at once
+        time.sleep(2 * ABORT_GRACE_S)
+        os._exit(code)
     try:
-        sys.stderr.write(line + "\n")
+        call = f" in {_call[0]}" if _call[0] else ""
+        sys.stderr.write(f"{PREFIX}{_me()}{call}: {text}; aborting the job (MPI_Abort, exit {code})\n")
         sys.stderr.flush()
-    finally:
         abort(code)
+    finally:  # reached only where a test replaced ``abort``
+        _expiring.release()
 
 
 def abort(code, comm=None):
     """``MPI_Abort`` with exit status ``code`` on ``comm`` (default COMM_WORLD): the launcher
     ends every process of the job. Should the abort itself block (a launcher that cannot be
     reached), a timer ends this process. Does not return."""
+    time.sleep(0.5)  # hydra drops output still in flight when an abort arrives (gpu/device.py)
+    if threading.current_thread() is not threading.main_thread() and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        os._exit(code)  # MPI may not be called from this thread: the launcher sees a rank die
     timer = threading.Timer(ABORT_GRACE_S, os._exit, (code,))
     timer.daemon = True
     timer.start()
@@ -140,7 +151,8 @@ def complete(requests, idle=False, timeout=DEFAULT_TIMEOUT, expired=None):
 
     ``idle``: ranks take turns on this node's cores, so the loop sleeps between tests, 20 us
     at first, doubling up to 1 ms (measured with 4 ranks on 2 cores: a 0.25 s compute beside
-    a rank spinning in MPI_Wait took 0.48 s, 0.26 s beside one sleeping); else it spins.
+    a rank spinning in MPI_Wait took 0.48 s, 0.26 s beside one sleeping); else it spins as
+    MPI_Waitall does, giving up the GIL between tests (``sleep(0)``) for the caller's threads.
     ``expired(pending, waited)``, called when the deadline passes with the indices of the
     requests still pending and the seconds waited, describes what was awaited (it calls
     ``expire``); by default the line says only that the requests did not complete."""
@@ -153,6 +165,8 @@ def complete(requests, idle=False, timeout=DEFAULT_TIMEOUT, expired=None):
         if idle:
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
+        else:
+            time.sleep(0)
         if MPI.Request.Testall(requests):
             return
         now = time.monotonic()
@@ -383,7 +397,7 @@ def install_excepthook():
         if issubclass(kind, (KeyboardInterrupt, SystemExit)) or not MPI.Is_initialized() or MPI.Is_finalized():
             return
         if MPI.COMM_WORLD.Get_size() > 1:
-            expire(f"an uncaught {kind.__name__} ended this rank's program, so the other ranks would wait for it",
-                   EXIT_EXCEPTION)
+            expire(f"an uncaught {kind.__name__} ended this rank's program; ending the job so that no rank waits "
+                   "for it", EXIT_EXCEPTION)
 
     sys.excepthook = hook
