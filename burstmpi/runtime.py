@@ -27,7 +27,7 @@ from .transport import watchdog
 from .transport.comm import private_comm
 from .transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 from .transport.nodes import nodes
-from .transport.shm import NoRoom, transport_for
+from .transport.shm import NoRoom, transport_for, unlink_node_segments
 from .transport.slowlinks import SlowLinksTransport, refuse_device_arrays
 from .validate import agree
 
@@ -113,6 +113,8 @@ class Runtime:
         if self.nodes is None:  # every rank's first call: collective
             self.nodes = nodes(self.comm, self.timeout)
             watchdog.learn_hosts(self.comm, self.nodes.hosts)
+            if self.nranks == MPI.COMM_WORLD.Get_size():  # every rank has mapped its node's segment
+                unlink_node_segments()  # so that an abort leaves nothing in /dev/shm
         if kind == "cuda":
             if self.transport_name == "shm":  # the same on every rank: agreed on just above
                 raise ValueError(f"{fn}: transport: 'shm' shares host buffers; GPU arrays need 'auto', "

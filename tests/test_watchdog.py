@@ -187,3 +187,19 @@ def test_who_names_world_ranks_and_their_hosts():
     watchdog.learn_hosts(MPI.COMM_SELF, ["node-a"])
     me = MPI.COMM_WORLD.Get_rank()
     assert watchdog.who(MPI.COMM_SELF, [0]) == f"rank {me} (node-a)"
+
+
+def test_mpich_node_segments_are_unlinked_once_mapped(tmp_path, monkeypatch):
+    """MPI_Abort leaves MPICH's node segment in /dev/shm; burstmpi unlinks the names this
+    process maps (and only MPICH's: another program's shared memory is not its business)."""
+    from burstmpi.transport import shm
+
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    ours, theirs = tmp_path / "mpich_shm_1a2b_0", tmp_path / "torch_123"
+    ours.write_bytes(b"x"), theirs.write_bytes(b"x")
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f01 rw-s 00000000 00:1a 1 {ours}\n7f02-7f03 rw-s 00000000 00:1a 2 {theirs}\n"
+                    f"7f04-7f05 rw-s 00000000 00:1a 3 {tmp_path}/mpich_shm_gone_0 (deleted)\n")
+    shm.unlink_node_segments(str(maps))
+    assert not ours.exists() and theirs.exists()
+    shm.unlink_node_segments(str(maps))  # again (another rank was first): nothing to do, no error
