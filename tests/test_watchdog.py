@@ -148,7 +148,7 @@ def test_complete_returns_at_once_when_done_and_expires_with_the_pending_peers(n
 
 def test_guard_fires_from_its_thread_and_not_when_the_body_ends_in_time(monkeypatch):
     fired = []
-    monkeypatch.setattr(watchdog, "expire", lambda text, code=watchdog.EXIT_TIMEOUT: fired.append(text))
+    monkeypatch.setattr(watchdog, "expire", lambda text, code=watchdog.EXIT_TIMEOUT, wait=0.0: fired.append(text))
     with watchdog.guard("a quick call", 0.5):
         pass
     with watchdog.guard("a slow call", 0.2):

@@ -113,9 +113,17 @@ def _me():
 _expiring = threading.Lock()  # the first thread to expire ends the job; a second one waits
 
 
-def expire(text, code=EXIT_TIMEOUT):
-    """A deadline passed: one line naming this rank, the call and ``text``; then end the
-    job. Does not return."""
+def linger(timeout):
+    """How long a rank whose line names no failed peer of its own (a barrier, a guarded
+    call: it knows only who did not come) waits after printing it before it ends the job:
+    ranks waiting on a transfer from the failed peer itself, whose deadlines run out a
+    little later, then print the line that names it."""
+    return min(5.0, 0.25 * timeout)
+
+
+def expire(text, code=EXIT_TIMEOUT, wait=0.0):
+    """A deadline passed: one line naming this rank, the call and ``text``; after ``wait``
+    seconds (``linger``), end the job. Does not return."""
     if not _expiring.acquire(blocking=False):  # the monitor thread and the main one at once
         time.sleep(2 * ABORT_GRACE_S)
         os._exit(code)
@@ -123,6 +131,7 @@ def expire(text, code=EXIT_TIMEOUT):
         call = f" in {_call[0]}" if _call[0] else ""
         sys.stderr.write(f"{PREFIX}{_me()}{call}: {text}; aborting the job (MPI_Abort, exit {code})\n")
         sys.stderr.flush()
+        time.sleep(wait)
         abort(code)
     finally:  # reached only where a test replaced ``abort``
         _expiring.release()
@@ -176,19 +185,19 @@ def complete(requests, idle=False, timeout=DEFAULT_TIMEOUT, expired=None):
                 return
             if expired is not None:
                 expired(pending, now - start)
-            expire(f"{len(pending)} transfer(s) did not complete within {now - start:.0f} s")
+            expire(f"{len(pending)} transfer(s) did not complete within {now - start:.0f} s", wait=linger(timeout))
 
 
 def peers_expired(comm, peers, where="a transfer"):
     """An ``expired`` callback for ``complete`` naming the ranks of ``comm`` that the
     pending requests wait for: ``peers[i]`` is ``("receive from", rank)`` or ``("send to",
-    rank)`` for request i."""
+    rank)`` for request i. Without peers (a collective) the line lingers (``linger``)."""
     def expired(pending, waited):
         parts = [f"{peers[i][0]} {who(comm, [peers[i][1]])}" for i in pending if i < len(peers) and peers[i]]
         if parts:
             expire(f"{where}: waited {waited:.0f} s to {'; '.join(dict.fromkeys(parts))}")
         expire(f"{where} did not complete within {waited:.0f} s (a rank or a link stopped answering, or a rank "
-               "did not make the same call)")
+               "did not make the same call)", wait=linger(waited))
     return expired
 
 
@@ -212,9 +221,9 @@ def gather_on_root(comm, record, timeout=DEFAULT_TIMEOUT, doing="arrive", idle=F
         every[0] = record
         reqs = [comm.Irecv([every[r], MPI.INT64_T], source=r, tag=TAG_ARRIVE) for r in range(1, P)]
 
-        def missing(pending, waited):
+        def missing(pending, waited):  # they may wait on the failed peer: let them say so
             expire(f"{who(comm, [i + 1 for i in pending])} did not {doing} within {waited:.0f} s (or cannot be "
-                   "reached)")
+                   "reached)", wait=linger(timeout))
         complete(reqs, idle, timeout, missing)
         complete([comm.Ibcast([every, MPI.INT64_T], root=0)], idle, timeout,
                  peers_expired(comm, (), f"the broadcast of every rank's arrival (to {doing})"))
@@ -223,7 +232,7 @@ def gather_on_root(comm, record, timeout=DEFAULT_TIMEOUT, doing="arrive", idle=F
 
         def unanswered(pending, waited):
             expire(f"{who(comm, [0])}, which collects every rank's arrival, did not answer within {waited:.0f} s "
-                   f"(a rank did not {doing}, or a host cannot be reached)")
+                   f"(a rank did not {doing}, or a host cannot be reached)", wait=linger(timeout))
         complete(reqs, idle, timeout + min(5.0, 0.25 * timeout), unanswered)
     return every
 
@@ -271,7 +280,7 @@ class _Monitor:
                 entry = (deadline, what, start)
                 self.stack.remove(entry)  # fires once (``expire`` returns only where a test replaced it)
                 expire(f"{what} did not complete within {now - start:.0f} s (a rank or a link stopped "
-                       "answering, or a rank did not make the same call)")
+                       "answering, or a rank did not make the same call)", wait=linger(deadline - start))
 
 
 _monitor = None
