@@ -9,7 +9,7 @@ from .masks.layout import LAYOUTS, layout_of
 from .plan import BurstAttention
 from .config import settings
 from .transport.comm import private_comm
-from .transport.watchdog import check_timeout, complete, peers_expired
+from .transport.watchdog import check_timeout, collective
 from .validate import agree, check_cu_seqlens, fingerprint, global_layout
 
 __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices"]
@@ -191,9 +191,9 @@ def unshard(x_local, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None,
     counts = [int(n) * row for n in lengths]
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
     gathered = np.empty((lay.seqlen,) + mine.shape[1:], dtype=mine.dtype)
-    complete([comm.Iallgatherv([mine.view(np.uint8).reshape(-1), MPI.BYTE],
-                               [gathered.view(np.uint8).reshape(-1), (counts, displs), MPI.BYTE])],
-             timeout=timeout, expired=peers_expired(comm, (), f"{fn}: the allgather of every rank's part"))
+    collective(comm, [comm.Iallgatherv([mine.view(np.uint8).reshape(-1), MPI.BYTE],
+                                       [gathered.view(np.uint8).reshape(-1), (counts, displs), MPI.BYTE])],
+               timeout, f"{fn}: the allgather of every rank's part")
     full = np.empty_like(gathered)
     full[lay.all_positions()] = gathered
     return like(np.moveaxis(full, 0, axis), x_local)

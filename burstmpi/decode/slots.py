@@ -13,7 +13,7 @@ before it writes anything, and ``_undo`` puts the slots back if the call fails a
 import numpy as np
 from mpi4py import MPI
 
-from ..transport.watchdog import complete, peers_expired
+from ..transport.watchdog import collective
 
 __all__ = ["SlotStore", "host"]
 
@@ -86,8 +86,8 @@ class SlotStore:
         displ = lambda c: np.concatenate([[0], np.cumsum(c)[:-1]]) * row
         req = rt.comm.Ialltoallv([send, (send_counts * row, displ(send_counts)), MPI.BYTE],
                                  [recv, (recv_counts * row, displ(recv_counts)), MPI.BYTE])
-        complete([req], getattr(rt.transport, "idle", False), rt.timeout,
-                 peers_expired(rt.comm, (), "the all-to-all that moves the cache's tokens to their slots"))
+        collective(rt.comm, [req], rt.timeout, "the all-to-all that moves the cache's tokens to their slots",
+                   getattr(rt.transport, "idle", False))
         pos = np.concatenate(src_pos)
         order = np.argsort(pos, kind="stable")  # slots in position order: the oldest first
         got, pos = recv.view(self.dtype)[order], pos[order]

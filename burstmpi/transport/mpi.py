@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .comm import _address
-from .watchdog import DEFAULT_TIMEOUT, complete, guard, peers_expired
+from .watchdog import DEFAULT_TIMEOUT, collective, complete, guard, peers_expired
 
 __all__ = ["MPITransport", "DeviceMPITransport", "StagedMPITransport"]
 
@@ -63,7 +63,7 @@ class MPITransport:
 
     def complete(self, requests, where):
         """Complete the requests of a collective (``where`` names it) within the deadline."""
-        complete(requests, self.idle, self.timeout, peers_expired(self.comm, (), where))
+        collective(self.comm, requests, self.timeout, where, self.idle)
 
     def allgather(self, send, recv):
         """Every rank's ``send`` bytes into ``recv`` (rank order): the decode's one

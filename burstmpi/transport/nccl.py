@@ -21,7 +21,7 @@ import time
 from mpi4py import MPI
 
 from ..gpu.device import rank_prefix
-from .watchdog import DEFAULT_TIMEOUT, bcast, complete, expire, peers_expired
+from .watchdog import DEFAULT_TIMEOUT, bcast, collective, expire
 
 __all__ = ["unique_id", "communicator", "NCCLTransport", "available", "choose_transport"]
 
@@ -194,7 +194,7 @@ class NCCLTransport:
     def complete(self, requests, where):
         """Complete MPI ``requests`` on the plan's communicator (a barrier around a link's
         timing) within the deadline."""
-        complete(requests, False, self.timeout_s, peers_expired(self.comm, (), where))
+        collective(self.comm, requests, self.timeout_s, where)
 
     def allgather(self, send, recv):
         """Every rank's ``send`` bytes into ``recv`` on the comm stream, ordered after the

@@ -41,7 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_EXCEPTION", "DEFAULT_TIMEOUT", "PREFIX", "complete", "guard", "guarded",
-           "allgather", "bcast", "GuardedComm", "gather_on_root", "barrier",
+           "allgather", "bcast", "collective", "GuardedComm", "gather_on_root", "barrier",
            "expire", "abort", "entering", "leaving", "learn_hosts", "who", "check_timeout", "install_excepthook"]
 
 EXIT_TIMEOUT = 75     # sysexits' EX_TEMPFAIL: the job did not fail by itself; a rerun may pass
@@ -201,6 +201,12 @@ def peers_expired(comm, peers, where="a transfer"):
     return expired
 
 
+def collective(comm, requests, timeout=DEFAULT_TIMEOUT, what="a collective", idle=False):
+    """Complete the requests of a collective on ``comm`` (``what`` names it) within
+    ``timeout`` seconds: no peer to name, so the line lingers (``peers_expired``)."""
+    complete(requests, idle, timeout, peers_expired(comm, (), what))
+
+
 # -- arrivals ---------------------------------------------------------------------------------
 # A barrier or an allgather cannot say who has not arrived. Records sent to rank 0 can: it
 # names the ranks whose records did not come, and the others name rank 0 if it does not
@@ -225,8 +231,8 @@ def gather_on_root(comm, record, timeout=DEFAULT_TIMEOUT, doing="arrive", idle=F
             expire(f"{who(comm, [i + 1 for i in pending])} did not {doing} within {waited:.0f} s (or cannot be "
                    "reached)", wait=linger(timeout))
         complete(reqs, idle, timeout, missing)
-        complete([comm.Ibcast([every, MPI.INT64_T], root=0)], idle, timeout,
-                 peers_expired(comm, (), f"the broadcast of every rank's arrival (to {doing})"))
+        collective(comm, [comm.Ibcast([every, MPI.INT64_T], root=0)], timeout,
+                   f"the broadcast of every rank's arrival (to {doing})", idle)
     else:
         reqs = [comm.Isend([record, MPI.INT64_T], dest=0, tag=TAG_ARRIVE), comm.Ibcast([every, MPI.INT64_T], root=0)]
 
@@ -307,19 +313,17 @@ def guard(what, timeout=DEFAULT_TIMEOUT):
 # mpi4py's own pickled collectives may hold the GIL while they block (its allreduce does), so
 # no thread could end them: these are built from nonblocking collectives on bytes instead.
 
-def _finish(comm, requests, timeout, what):
-    complete(requests, False, timeout, peers_expired(comm, (), what))
 
 
 def allgather(comm, obj, timeout=DEFAULT_TIMEOUT, what="an allgather"):
     """Every rank's ``obj`` (picklable), in rank order, within ``timeout`` seconds."""
     data = np.frombuffer(pickle.dumps(obj), np.uint8)
     sizes = np.empty(comm.Get_size(), np.int64)
-    _finish(comm, [comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])],
+    collective(comm, [comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])],
             timeout, what)
     displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     got = np.empty(int(sizes.sum()), np.uint8)
-    _finish(comm, [comm.Iallgatherv([data, MPI.BYTE], [got, (sizes.tolist(), displs.tolist()), MPI.BYTE])],
+    collective(comm, [comm.Iallgatherv([data, MPI.BYTE], [got, (sizes.tolist(), displs.tolist()), MPI.BYTE])],
             timeout, what)
     return [pickle.loads(got[d:d + n].tobytes()) for d, n in zip(displs.tolist(), sizes.tolist())]
 
@@ -328,10 +332,10 @@ def bcast(comm, obj, root=0, timeout=DEFAULT_TIMEOUT, what="a broadcast"):
     """``obj`` of rank ``root`` on every rank, within ``timeout`` seconds."""
     data = np.frombuffer(pickle.dumps(obj), np.uint8) if comm.Get_rank() == root else None
     size = np.array([0 if data is None else data.size], np.int64)
-    _finish(comm, [comm.Ibcast([size, MPI.INT64_T], root=root)], timeout, what)
+    collective(comm, [comm.Ibcast([size, MPI.INT64_T], root=root)], timeout, what)
     if data is None:
         data = np.empty(int(size[0]), np.uint8)
-    _finish(comm, [comm.Ibcast([data, MPI.BYTE], root=root)], timeout, what)
+    collective(comm, [comm.Ibcast([data, MPI.BYTE], root=root)], timeout, what)
     return obj if comm.Get_rank() == root else pickle.loads(data.tobytes())
 
 
