@@ -1,140 +1,156 @@
-"""Settings read from the environment: the one place that reads ``BURSTMPI_*``.
+"""burstmpi's settings: one object, read once, from keywords and ``BURSTMPI_*`` defaults.
 
-Every knob has a keyword argument as well; the environment only supplies defaults,
-so a cluster admin can tune a job without touching the code that calls burstmpi.
-
-======================  ==========  ===================================================
-variable                default     meaning
-======================  ==========  ===================================================
-BURSTMPI_BACKEND        auto        ``numpy`` (CPU) or ``cuda``; ``auto`` follows the
-                                    arrays' device
-BURSTMPI_TILE_Q         512         GEMM rows (query tokens x heads per KV head) per
-                                    local tile (NumPy backend)
-BURSTMPI_TILE_K         512         rows of K/V per local tile (NumPy backend)
-BURSTMPI_CPU_KERNELS    auto        the CPU backend's elementwise work: ``numba``
-                                    (compiled, fused), ``numpy`` (the pure-NumPy
-                                    fallback), ``auto`` = numba when it imports
-BURSTMPI_CPU_GEMM       auto        the float32 forward's GEMMs: ``auto`` = our
-                                    micro-kernel on operands packed once
-                                    (``backends.cpu_packed``) where the CPU has AVX2
-                                    with FMA or AVX-512 and a block's keys meet 512
-                                    query rows or more, else BLAS; ``blas`` = BLAS's
-                                    sgemm on every tile; ``packed`` = the micro-kernel
-                                    on every block (an error without those CPU flags)
-BURSTMPI_BLAS           auto        the BLAS whose sgemm the compiled tile loops call:
-                                    ``mkl`` (Intel oneMKL: pip's ``mkl`` wheel, conda,
-                                    or the loader path), ``numpy`` (NumPy's own),
-                                    ``auto`` = oneMKL when present; read once per process
-BURSTMPI_THREADS        0           threads per rank for the CPU backend's tiles;
-                                    ``0`` = the cores this process may use divided by
-                                    the ranks on its node (at least 1)
-BURSTMPI_CHECK          1           ``0`` leaves the argument fingerprint out of the
-                                    per-call collective (which still runs: it carries
-                                    every rank's local length); mismatched arguments
-                                    then go undetected
-BURSTMPI_CUDA_AWARE_MPI 0           ``1``: the MPI transport hands GPU buffers to MPI
-                                    directly (CUDA-aware MPI) instead of staging them
-                                    through host memory
-BURSTMPI_TIMEOUT        300         seconds any wait on other ranks may last (a ring
-                                    step's transfers, the per-call agreement, set-up
-                                    collectives, NCCL's phase end, the decode's
-                                    collective) before the watchdog prints who it
-                                    waited for and aborts the job with exit code 75
-                                    (``burstmpi.transport.watchdog``); the ``timeout``
-                                    keyword of plans, caches and adapters overrides it.
-                                    Replaces ``BURSTMPI_NCCL_TIMEOUT`` (still read, with
-                                    a warning, when this one is unset)
-BURSTMPI_RANKS_PER_NODE 0           ``g``: consecutive blocks of g ranks form a node
-                                    (one machine plays a cluster); ``0`` = the ranks
-                                    MPI's shared-memory split puts together
-BURSTMPI_INTERNODE_GBPS 0           a simulation aid: host transfers between nodes
-                                    take at least bytes / (X GB/s) (MPI transport;
-                                    ``burstmpi.transport.slowlinks``; refused with
-                                    GPU arrays across nodes); ``0`` = off
-BURSTMPI_LINK_GBPS      (measured)  ``INTRA,INTER``: the links' GB/s (one way, per
-                                    rank) inside a node and between nodes, for
-                                    ``topology="auto"``'s choice; unset = measured
-                                    once per plan (``burstmpi.transport.links``)
-======================  ==========  ===================================================
+``Settings.resolve(fn, **keywords)`` is what a plan, a KV cache or the bench reads when it
+is built: each setting is the keyword where one is given, else its environment variable,
+else the default, and nothing is read again later (a job's behaviour cannot change under a
+running plan). ``FIELDS`` lists every setting: its variable, its keyword (None: the
+environment only, for the settings that are process-wide or simulation aids), default and
+what it expects; ``docs/guide/configuration.md`` has the table a test checks against it.
+This is the one module that reads ``BURSTMPI_*``.
 """
 
+import math
+import numbers
 import os
 import warnings
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["Settings", "settings"]
-
-
-def _number(name, default, kind, minimum):
-    """``BURSTMPI_*`` variable ``name`` as ``kind`` (int or float), at least ``minimum`` and
-    finite; ``default`` when unset or empty."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    what = "an integer" if kind is int else "a finite number"
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}: expected {what}, got {raw!r}") from None
-    if not (minimum <= value < float("inf")):
-        raise ValueError(f"environment variable {name}: expected {what} >= {minimum}, got {raw}")
-    return value
+__all__ = ["Field", "FIELDS", "Settings", "settings"]
 
 
-def _int(name, default, minimum=1):
-    return _number(name, default, int, minimum)
+class Field(NamedTuple):
+    name: str          # the attribute of ``Settings``
+    variable: str      # the environment variable
+    keyword: Optional[str]  # the keyword of BurstAttention and KVCache, or None: environment only
+    default: object
+    kind: str          # "choice", "int", "float", "bool", "pair", "timeout"
+    spec: object = None  # a choice's choices; a number's minimum
 
 
-def _pair(name):
-    """``BURSTMPI_*`` variable ``name`` as two positive finite numbers ``A,B``, or None when
-    unset or empty."""
-    raw = os.environ.get(name, "")
-    if not raw:
-        return None
-    try:
-        pair = tuple(float(x) for x in raw.split(","))
-    except ValueError:
-        pair = ()
-    if len(pair) != 2 or not all(0 < x < float("inf") for x in pair):
-        raise ValueError(f"environment variable {name}: expected two positive numbers A,B, got {raw!r}")
-    return pair
+FIELDS = (
+    Field("backend", "BURSTMPI_BACKEND", "backend", "auto", "choice", ("auto", "numpy", "cuda")),
+    Field("tile_q", "BURSTMPI_TILE_Q", "tile_q", 512, "int", 1),
+    Field("tile_k", "BURSTMPI_TILE_K", "tile_k", 512, "int", 1),
+    Field("cpu_kernels", "BURSTMPI_CPU_KERNELS", "cpu_kernels", "auto", "choice", ("auto", "numba", "numpy")),
+    Field("cpu_gemm", "BURSTMPI_CPU_GEMM", "cpu_gemm", "auto", "choice", ("auto", "blas", "packed")),
+    # Which BLAS the compiled loops bind to is fixed when they are first compiled: per process.
+    Field("blas", "BURSTMPI_BLAS", None, "auto", "choice", ("auto", "mkl", "numpy")),
+    Field("threads", "BURSTMPI_THREADS", "threads", 0, "int", 0),
+    Field("check", "BURSTMPI_CHECK", "check", True, "bool"),
+    Field("cuda_aware_mpi", "BURSTMPI_CUDA_AWARE_MPI", "cuda_aware_mpi", False, "bool"),
+    Field("timeout", "BURSTMPI_TIMEOUT", "timeout", 300.0, "timeout", 1e-3),
+    Field("ranks_per_node", "BURSTMPI_RANKS_PER_NODE", "ranks_per_node", 0, "int", 0),
+    # A simulation aid (slowed host transfers between fake nodes): environment only.
+    Field("internode_gbps", "BURSTMPI_INTERNODE_GBPS", None, 0.0, "float", 0),
+    Field("link_gbps", "BURSTMPI_LINK_GBPS", "link_gbps", None, "pair"),
+)
+
+_BY_NAME = {f.name: f for f in FIELDS}
 
 
-def _timeout():
-    """``BURSTMPI_TIMEOUT`` in seconds (> 0), or the retired ``BURSTMPI_NCCL_TIMEOUT`` with a
-    warning where only that one is set, else 300."""
-    if not os.environ.get("BURSTMPI_TIMEOUT") and os.environ.get("BURSTMPI_NCCL_TIMEOUT"):
-        warnings.warn("BURSTMPI_NCCL_TIMEOUT is replaced by BURSTMPI_TIMEOUT, which bounds every wait on other "
-                      "ranks (not only NCCL's); set that instead", FutureWarning, stacklevel=3)
-        return float(_number("BURSTMPI_NCCL_TIMEOUT", 300.0, float, 1e-3))
-    return float(_number("BURSTMPI_TIMEOUT", 300.0, float, 1e-3))
-
-
-def _choice(name, default, choices):
-    raw = os.environ.get(name, "") or default
-    if raw not in choices:
-        raise ValueError(f"environment variable {name}: expected one of {sorted(choices)}, got {raw!r}")
-    return raw
-
-
+@dataclass(frozen=True)
 class Settings:
-    """A snapshot of the ``BURSTMPI_*`` environment, taken when it is created."""
+    """Every setting of one plan, cache or bench run (``FIELDS``); immutable."""
 
-    def __init__(self):
-        self.backend = _choice("BURSTMPI_BACKEND", "auto", {"auto", "numpy", "cuda"})
-        self.tile_q = _int("BURSTMPI_TILE_Q", 512)
-        self.tile_k = _int("BURSTMPI_TILE_K", 512)
-        self.cpu_kernels = _choice("BURSTMPI_CPU_KERNELS", "auto", {"auto", "numba", "numpy"})
-        self.cpu_gemm = _choice("BURSTMPI_CPU_GEMM", "auto", {"auto", "blas", "packed"})
-        self.blas = _choice("BURSTMPI_BLAS", "auto", {"auto", "mkl", "numpy"})
-        self.threads = _int("BURSTMPI_THREADS", 0, minimum=0)
-        self.check = _int("BURSTMPI_CHECK", 1, minimum=0) != 0
-        self.cuda_aware_mpi = _int("BURSTMPI_CUDA_AWARE_MPI", 0, minimum=0) != 0
-        self.timeout = _timeout()
-        self.ranks_per_node = _int("BURSTMPI_RANKS_PER_NODE", 0, minimum=0)
-        self.internode_gbps = _number("BURSTMPI_INTERNODE_GBPS", 0.0, float, 0)
-        self.link_gbps = _pair("BURSTMPI_LINK_GBPS")
+    backend: str = "auto"
+    tile_q: int = 512
+    tile_k: int = 512
+    cpu_kernels: str = "auto"
+    cpu_gemm: str = "auto"
+    blas: str = "auto"
+    threads: int = 0
+    check: bool = True
+    cuda_aware_mpi: bool = False
+    timeout: float = 300.0
+    ranks_per_node: int = 0
+    internode_gbps: float = 0.0
+    link_gbps: Optional[Tuple[float, float]] = None
+
+    @classmethod
+    def from_env(cls):
+        """Every setting from its environment variable, or its default."""
+        return cls(**{f.name: _from_env(f) for f in FIELDS})
+
+    @classmethod
+    def resolve(cls, fn, **keywords):
+        """The settings of a call to ``fn``: each keyword that is not None (checked, its
+        errors naming ``fn`` and the keyword), the environment for the rest. Only settings
+        with a keyword in ``FIELDS`` are accepted."""
+        given = {}
+        for name, value in keywords.items():
+            f = _BY_NAME.get(name)
+            if f is None or f.keyword is None:
+                raise TypeError(f"{fn}: unexpected setting {name!r}")
+            if value is not None:
+                given[name] = _check(f, value, f"{fn}: {f.keyword}")
+        return replace(cls.from_env(), **given)
 
 
 def settings():
-    """Return the current settings (read afresh, so tests may change the environment)."""
-    return Settings()
+    """The settings the environment gives now (``Settings.from_env``)."""
+    return Settings.from_env()
+
+
+def _from_env(f):
+    raw = os.environ.get(f.variable, "")
+    if f.name == "timeout" and not raw and os.environ.get("BURSTMPI_NCCL_TIMEOUT"):
+        warnings.warn("BURSTMPI_NCCL_TIMEOUT is replaced by BURSTMPI_TIMEOUT, which bounds every wait on other "
+                      "ranks (not only NCCL's); set that instead", FutureWarning, stacklevel=4)
+        return _check(f, os.environ["BURSTMPI_NCCL_TIMEOUT"], "environment variable BURSTMPI_NCCL_TIMEOUT", True)
+    if raw == "":
+        return f.default
+    return _check(f, raw, f"environment variable {f.variable}", True)
+
+
+def _check(f, value, where, text=False):
+    """``value`` (a keyword's, or an environment variable's ``text``) as setting ``f``
+    expects it, or ValueError/TypeError saying ``where``, what it expected and what it got."""
+    got = repr(value)
+    if f.kind == "choice":
+        if value not in f.spec:
+            raise ValueError(f"{where}: expected one of {list(f.spec)}, got {got}")
+        return value
+    if f.kind == "bool":
+        if text:
+            value = _number(int, value, where, 0)
+            return value != 0
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: expected True or False, got {got}")
+        return value
+    if f.kind == "pair":
+        if text:
+            try:
+                value = tuple(float(x) for x in value.split(","))
+            except ValueError:
+                value = ()
+        ok = (isinstance(value, (tuple, list)) and len(value) == 2
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in value))
+        if not ok:
+            raise ValueError(f"{where}: expected two positive numbers (GB/s inside a node, between nodes), got {got}")
+        return tuple(float(x) for x in value)
+    if f.kind == "timeout" and not text:
+        ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < float(value) < math.inf)
+        if not ok:
+            raise ValueError(f"{where}: expected a finite number of seconds > 0 (or None: {f.variable}, default "
+                             f"{f.default:.0f}), got {got}")
+        return float(value)
+    kind = int if f.kind == "int" else float
+    return kind(_number(kind, value, where, f.spec))
+
+
+def _number(kind, value, where, minimum):
+    what = "an integer" if kind is int else "a finite number"
+    if isinstance(value, str):
+        try:
+            value = kind(value)
+        except ValueError:
+            raise ValueError(f"{where}: expected {what}, got {value!r}") from None
+    elif isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise TypeError(f"{where}: expected {what}, got {value!r}")
+    if not (minimum <= value < math.inf):
+        raise ValueError(f"{where}: expected {what} >= {minimum}, got {value!r}")
+    return value
+
+
+assert [f.name for f in FIELDS] == [f.name for f in fields(Settings)]

@@ -58,75 +58,77 @@ def member_heads(u, heads, kv_heads):
 
 
 class HeadParallel:
-    """The head-parallel side of a plan (``plan``: the ``BurstAttention`` that owns it, over
-    all P ranks; it checks and agrees on every call's arguments first)."""
+    """The head-parallel side of a plan over ``comm`` (its private communicator; ``nodes``
+    its ranks' nodes): the group and ring communicators, the ring of groups' plans and
+    the exchange. Owned by the plan's runtime (``Runtime.owned``), so ``release`` frees
+    the ring's buffers and ``buffer_bytes`` counts them. The plan checks and agrees on
+    every call's arguments first, then hands each call its ``ring.context.Call``.
 
-    def __init__(self, plan, u):
-        self.plan, self.u = plan, int(u)
-        self._comms = None   # (group comm, ring comm), split once
-        self._inner = None   # the BurstAttention over the ring of groups
+    ``make(comm, nodes, layout_name, mask, runtime, kv_grads_accumulated)`` builds a plan
+    of the ring of groups (the owning plan's options; ``BurstAttention._groups_ring``), so
+    this module needs no import of ``plan``: one per share of a per-head mask, all on one
+    runtime (a mask's shares differ between members and calls; up to ``KEEP`` are kept).
+    """
+
+    KEEP = 4
+
+    def __init__(self, u, comm, nodes, timeout, make):
+        self.u, self.comm, self.timeout, self._make = int(u), comm, timeout, make
+        rank, nranks = comm.Get_rank(), comm.Get_size()
+        self.rank = rank
+        # The members of my group, in order; the members of my index, group by group.
+        self._comms = split_once(comm, ("head_parallel", u), [(rank // u, rank % u), (rank % u, rank // u)], timeout)
+        self._nodes = Nodes([nodes.node_of[g * u + rank % u] for g in range(nranks // u)], rank // u)
+        self._plans = {}  # the mask share's digest (None: no mask) -> the ring's plan
+        self._last = None
         self._exchange = None  # (layout, the plan's transport, HeadExchange) of the last call
         self._mover = None     # (the plan's transport, what the exchange runs on: None for MPI)
 
-    def _setup(self):
-        """Split the plan's communicator (collective, first call) and build the ring's plan:
-        one of the owning plan's own class, so this module needs no import of ``plan``."""
-        if self._inner is not None:
-            return
-        plan, u = self.plan, self.u
-        comm, rank = plan.comm, plan.rank
-        # The members of my group, in order; the members of my index, group by group.
-        group, ring = split_once(comm, ("head_parallel", u), [(rank // u, rank % u), (rank % u, rank // u)],
-                                 plan.runtime.timeout)
-        self._comms = (group, ring)
-        rt = plan.runtime
-        inner = type(plan)(ring, causal=plan.causal, window=plan.window_arg, softmax_scale=plan.softmax_scale,
-                          layout=plan.layout_name, bwd_comm=plan.bwd_comm, backend=rt.backend_name,
-                          transport=rt.transport_name, device=rt.device_arg, topology=plan.topology,
-                          timeout=rt.timeout)
-        inner.layout_name = f"{plan.layout_name}/{u}"  # each group's tokens merged (burstmpi.masks.layout)
-        if rt.backend is not None and rt.backend.name not in ("numpy", "cuda"):
-            inner.backend = rt.backend  # one put in the plan's place (the tests' emulated kernels) serves the ring
-        nodes = rt.nodes
-        inner.runtime.nodes = Nodes([nodes.node_of[g * u + rank % u] for g in range(plan.nranks // u)], rank // u)
-        self._inner = inner
-
-    def _exchange_for(self, layout, xp):
+    def _exchange_for(self, call, xp):
         """The group's exchange for this call's layout and arrays (the last one kept: a
         training loop repeats its lengths, and packed documents change them every batch):
         on the ring's transport where it moves device arrays itself (``exchange_transport``),
         else MPI's all-to-all of host arrays (nonblocking, within the plan's deadline)."""
-        transport, group = self.plan.transport, self._comms[0]
+        layout, transport, group = call.geometry.layout, call.transport, self._comms[0]
         if self._mover is None or self._mover[0] is not transport:  # made once per ring transport
             self._mover = (transport, exchange_transport(transport, group))
         if self._exchange is None or self._exchange[0] is not layout or self._exchange[1] is not transport:
-            g, mover = self.plan.rank // self.u, self._mover[1]
+            g, mover = self.rank // self.u, self._mover[1]
             self._exchange = (layout, transport, HeadExchange(
                 group, [layout.positions(r) for r in range(g * self.u, (g + 1) * self.u)],
                 transport=mover, xp=np if mover is None else xp,
                 waits=transport.on(group) if mover is None else None))
         return self._exchange[2]
 
-    def _inner_for(self, heads):
-        """The ring's plan with this member's share of a per-head mask."""
-        inner, mask = self._inner, self.plan.mask
-        share = member_heads(self.u, heads, 1)[0][self.plan.rank % self.u]  # its query heads
-        inner.mask = None if mask is None else head_slice(mask, share.start, share.stop - share.start)
-        return inner
+    def _inner_for(self, mask, layout_name, heads, accumulated):
+        """The ring's plan with this member's share of a per-head mask (``accumulated``:
+        dK/dV come back unrounded, for replicated K/V heads)."""
+        share = member_heads(self.u, heads, 1)[0][self.rank % self.u]  # its query heads
+        cut = None if mask is None else head_slice(mask, share.start, share.stop - share.start)
+        key = (None if cut is None else cut.digest(), accumulated)
+        plan = self._plans.get(key)
+        if plan is None:
+            runtime = next(iter(self._plans.values())).runtime if self._plans else None
+            if len(self._plans) >= self.KEEP:  # the oldest share's plan; its buffers are the shared runtime's
+                self._plans.pop(next(iter(self._plans)))
+            plan = self._plans[key] = self._make(self._comms[1], self._nodes, f"{layout_name}/{self.u}", cut,
+                                                 runtime, accumulated)
+        self._last = plan
+        return plan
 
     def _slices(self, heads, kv_heads):
         return member_heads(self.u, heads, kv_heads)
 
-    def _everywhere(self, call, *args, **kwargs):
-        """``call`` on the ring of groups, its failure raised on every rank of the plan: a
+    def _everywhere(self, run, *args, **kwargs):
+        """``run`` on the ring of groups, its failure raised on every rank of the plan: a
         ring's plan raises on its own ranks only, and the other rings' ranks would wait for
         theirs in the all-to-all back."""
         error = None
         try:
-            result = call(*args, **kwargs)
+            result = run(*args, **kwargs)
         except Exception as e:  # every kind: the others must not hang
             error = e
-        failed = allgather(self.plan.comm, error is not None, self.plan.runtime.timeout,
+        failed = allgather(self.comm, error is not None, self.timeout,
                            "head_parallel: the check that every ring of groups succeeded")
         if error is not None:
             raise error
@@ -135,36 +137,35 @@ class HeadParallel:
                                "(its error says why)")
         return result
 
-    def _begin(self, dims, xp):
+    def _begin(self, call, dims, xp):
         """A call's exchange (its byte count reset), head slices and host staging (none
         where the exchange moves the arrays where they are)."""
-        self._setup()
         Z, Zkv = dims[2], dims[3]
-        ex = self._exchange_for(self.plan.layout, xp)
+        ex = self._exchange_for(call, xp)
         ex.bytes_sent = 0
         return ex, self._slices(Z, Zkv), _Staging(np if ex.xp is xp else xp)
 
-    def forward(self, h, dims, cu_seqlens, xp):
-        """``(out, lse, stats)`` of checked and agreed arrays ``h`` (q, k, v)."""
-        Z = dims[2]
-        ex, (qs, kvs), host = self._begin(dims, xp)
+    def forward(self, call, mask, layout_name, h, dims, cu_seqlens, xp):
+        """``(out, lse, stats)`` of checked and agreed arrays ``h`` (q, k, v) of ``call``
+        (the plan's: its layout and transport), under ``mask`` on layout ``layout_name``."""
+        Z, Zkv = dims[2], dims[3]
+        ex, (qs, kvs), host = self._begin(call, dims, xp)
         q, k, v = (host.back(ex.to_heads(host.out(h[n]), s)) for n, s in (("q", qs), ("k", kvs), ("v", kvs)))
-        inner = self._inner_for(Z)
+        inner = self._inner_for(mask, layout_name, Z, Zkv % self.u != 0)
         out, lse = self._everywhere(inner.forward, q, k, v, cu_seqlens=cu_seqlens)
         out = ex.to_tokens(host.out(out), qs, Z)
         lse = _rows_last(ex.to_tokens(_rows_last(host.out(lse)), qs, Z))  # (B, heads, C): tokens on axis 1 there
         return host.back(out), host.back(lse), self._stats(inner.last_stats.forward, ex)
 
-    def backward(self, h, dims, cu_seqlens, xp):
-        """``(dq, dk, dv, stats, mode)`` of checked and agreed arrays ``h``."""
+    def backward(self, call, mask, layout_name, h, dims, cu_seqlens, xp):
+        """``(dq, dk, dv, stats, mode)`` of checked and agreed arrays ``h`` (as ``forward``)."""
         Z, Zkv = dims[2], dims[3]
-        ex, (qs, kvs), host = self._begin(dims, xp)
+        ex, (qs, kvs), host = self._begin(call, dims, xp)
         sl = {"dout": qs, "q": qs, "out": qs, "k": kvs, "v": kvs}
         a = {n: host.back(ex.to_heads(host.out(h[n]), s)) for n, s in sl.items()}
         a["lse"] = host.back(_rows_last(ex.to_heads(_rows_last(host.out(h["lse"])), qs)))
-        inner = self._inner_for(Z)
-        replicated = Zkv % self.u != 0
-        inner.kv_grads_accumulated = replicated  # the replicas' shares are summed unrounded
+        replicated = Zkv % self.u != 0  # the replicas' shares are summed unrounded
+        inner = self._inner_for(mask, layout_name, Z, replicated)
         dq, dk, dvv = self._everywhere(inner.backward, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"],
                                        cu_seqlens=cu_seqlens)
         dq = ex.to_tokens(host.out(dq), qs, Z)
@@ -176,16 +177,18 @@ class HeadParallel:
     @property
     def topology(self):
         """The ring the groups ran (``last_stats.topology`` of the ring's plan)."""
-        return self._inner.last_stats.topology
+        return self._last.last_stats.topology
 
     @property
-    def buffer_bytes(self):
-        """The ring's buffers (the all-to-all's are the call's temporaries)."""
-        return 0 if self._inner is None else self._inner.buffer_bytes
+    def nbytes(self):
+        """The ring's buffers, held by its plans' runtime (the all-to-all's are the call's
+        temporaries)."""
+        return 0 if not self._plans else self._last.runtime.buffer_bytes
 
     def release(self):
-        if self._inner is not None:
-            self._inner.release()
+        """Free the ring's buffers (the communicators and plans stay)."""
+        if self._plans:
+            self._last.runtime.release()
 
     @staticmethod
     def _stats(st, ex):

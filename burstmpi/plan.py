@@ -1,13 +1,12 @@
 """``BurstAttention``: a reusable plan that owns its ring buffers and reports what it did."""
 
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
 
-from .config import settings
+from .config import FIELDS
 from .gpu.device import abort_on_device_error
 from .heads import HeadParallel, check_head_parallel
 from .interop import like
@@ -15,11 +14,10 @@ from .masks.intervals import Bounds
 from .model.flat import Machine, Shape
 from .model.topology import choose_topology
 from .ring import flat as ring, twolevel, twolevel_backward, twoway
+from .ring.context import Call
 from .ring.geometry import geometry
-from .ring.schedule import Schedule
 from .ring.stats import PhaseStats
 from .runtime import Runtime
-from .transport.comm import rows_bytes
 from .transport.links import link_speeds
 from .transport.watchdog import allgather
 from .validate import (check_backward, check_cu_seqlens, check_forward, check_layout_given, check_options,
@@ -59,10 +57,13 @@ def _short(text, most=60):
 
 
 def _delegate(name, doc):
-    """A plan attribute that is its runtime's (settable: tests inject backends and
-    transports)."""
-    return property(lambda self: getattr(self.runtime, name),
-                    lambda self, value: setattr(self.runtime, name, value), doc=doc)
+    """A plan attribute that is its runtime's."""
+    return property(lambda self: getattr(self.runtime, name), doc=doc)
+
+
+# The settings with a keyword (``config.FIELDS``) besides ``backend`` and ``timeout``, which
+# the signatures name first.
+SETTINGS = tuple(f.keyword for f in FIELDS if f.keyword not in (None, "backend", "timeout"))
 
 
 class BurstAttention:
@@ -137,9 +138,12 @@ class BurstAttention:
         has this deadline; on expiry the job is aborted with exit code 75 and a
         ``burstmpi watchdog:`` line naming who it waited for; see
         ``docs/guide/configuration.md``.
+    tile_q, tile_k, cpu_kernels, cpu_gemm, threads, check, cuda_aware_mpi, ranks_per_node, link_gbps : optional
+        Settings (``docs/guide/configuration.md`` has the table): None takes the
+        ``BURSTMPI_*`` variable of the same name, else the default. Read once, here.
     runtime : burstmpi.runtime.Runtime, optional
         Run on another plan's runtime (``KVCache`` does, for its prefill) instead of
-        building one from ``comm``, ``backend``, ``transport``, ``device`` and ``timeout``.
+        building one from ``comm``, ``backend``, ``transport``, ``device`` and the settings.
 
     Notes
     -----
@@ -157,13 +161,20 @@ class BurstAttention:
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
                  layout=None, bwd_comm="auto", backend="auto", transport="auto", device=None,
-                 runtime=None, mask=None, head_parallel=1, topology="flat", timeout=None):
+                 runtime=None, mask=None, head_parallel=1, topology="flat", timeout=None,
+                 tile_q=None, tile_k=None, cpu_kernels=None, cpu_gemm=None, threads=None, check=None,
+                 cuda_aware_mpi=None, ranks_per_node=None, link_gbps=None):
         fn = "BurstAttention"
         check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
                       bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel, topology=topology)
         self.topology = topology
+        given = dict(tile_q=tile_q, tile_k=tile_k, cpu_kernels=cpu_kernels, cpu_gemm=cpu_gemm, threads=threads,
+                     check=check, cuda_aware_mpi=cuda_aware_mpi, ranks_per_node=ranks_per_node, link_gbps=link_gbps)
         self.runtime = runtime if runtime is not None else Runtime(
-            fn, comm, backend=backend, transport=transport, device=device, timeout=timeout)
+            fn, comm, backend=backend, transport=transport, device=device, timeout=timeout, **given)
+        # What a ring of groups (head parallelism) builds its own plans from.
+        self._made_with = dict(backend=backend, transport=transport, device=device, timeout=self.runtime.timeout,
+                               **given)
         self.causal, self.window_arg = bool(causal), None if window is None else tuple(window)
         self.window = Bounds(causal, window)
         self.mask = mask
@@ -173,15 +184,30 @@ class BurstAttention:
         self.softmax_scale, self.bwd_comm = softmax_scale, bwd_comm
         self.caller = None  # the public function that made this plan, if not the user (its errors name it)
         self.head_parallel = int(head_parallel)
-        self.kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``; burstmpi.heads)
-        self._heads = HeadParallel(self, self.head_parallel) if self.head_parallel > 1 else None
+        self._kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``): ``_groups_ring``
         self._links, self._auto = {}, {}  # topology="auto": link speeds per kind of arrays, choices per shape
         self._loads = {}  # bwd_comm="auto" on one node: the busiest rank's pairs per geometry (``_balanced``)
         self.last_stats = Stats()
+        self.last_call = None  # the ``ring.context.Call`` of the latest call, for inspection
+
+    @classmethod
+    def _groups_ring(cls, of, comm, nodes, layout_name, mask, runtime, kv_grads_accumulated):
+        """The plan of head parallelism's ring of groups (``burstmpi.heads``): plan ``of``'s
+        options over ``comm`` (the members of one index, group by group) on the groups'
+        ``nodes``, with each group's tokens merged (layout ``NAME/u``), this member's share
+        of ``mask``, and the runtime of the ring's other plans if there is one."""
+        plan = cls(comm, causal=of.causal, window=of.window_arg, softmax_scale=of.softmax_scale,
+                   layout=of.layout_name, bwd_comm=of.bwd_comm, mask=mask, topology=of.topology,
+                   runtime=runtime if runtime is not None else Runtime(
+                       "BurstAttention", comm, nodes=nodes, **of._made_with))
+        plan.layout_name = layout_name
+        plan._kv_grads_accumulated = kv_grads_accumulated
+        return plan
 
     comm = _delegate("comm", "burstmpi's private duplicate of the plan's communicator.")
     backend = _delegate("backend", "The backend of the last call (None before the first).")
     transport = _delegate("transport", "How ring buffers travel (``last_stats.transport``).")
+    settings = _delegate("settings", "The plan's ``config.Settings``, read when it was made.")
 
     @property
     def rank(self):
@@ -191,52 +217,17 @@ class BurstAttention:
     def nranks(self):
         return self.runtime.nranks
 
-    # -- plumbing shared with burstmpi.ring.flat ---------------------------------------------
-
-    def schedule(self, mode, dims, dtype):
-        """The ring schedule of ``mode`` for arrays of ``dims`` and ``dtype``: its direction
-        is the one that moves fewer bytes, with packets and partials of the rows they carry
-        (``Geometry.route``)."""
-        packet, partial = self._sizes(mode, dims, dtype)
-        return Schedule(self.geometry.needs(mode), self.rank, packet, partial)
-
-    def _sizes(self, mode, dims, dtype):
-        """Bytes of ``mode``'s packets and partials as they shrink (``Geometry.route``):
-        ``packet(owner, t, direction, arc=None)``, what the holder at step t receives, and
-        ``partial(owner, direction)``."""
-        role, geo = ring.ROLE[mode], self.geometry
-        packet, partial = self._fields(mode, dims, dtype)
-        return (lambda o, t, d, arc=None: rows_bytes(packet, geo.route(role, o, d, arc)[1][t]),
-                lambda o, d: rows_bytes(partial, geo.route(role, o, d)[1][0]) if partial else 0)
-
-    def channels(self, phase, specs):
-        """The channels of one phase (``Runtime.channels``)."""
-        return self.runtime.channels(phase, specs)
-
     @property
     def buffer_bytes(self):
-        """Bytes of ring buffers this plan holds (the double buffers and partials, and the
-        two-level ring's own: ``burstmpi.ring.twolevel``)."""
-        rings = getattr(self, "_rings", None)
-        return self.runtime.buffer_bytes + (rings.nbytes if rings is not None else 0)
-
-    def phase_stats(self, chans, owners, pairs, direction, timer, t_start):
-        """A phase's ``PhaseStats``. ``owners``: the ranks whose blocks this rank computed
-        with; ``pairs``: the visible pairs of those computations."""
-        computed = len(set(owners))
-        internode = sum(self.runtime.nodes.internode(c.bytes_to) for c in chans) if self.runtime.nodes else 0
-        return PhaseStats(bytes_sent=sum(c.bytes_sent for c in chans), bytes_internode=internode,
-                          bytes_recv=sum(c.bytes_recv for c in chans),
-                          steps_computed=computed, steps_skipped=self.nranks - computed,
-                          pairs=int(pairs), direction=direction, wall_s=time.perf_counter() - t_start,
-                          compute_s=timer.compute, wait_s=timer.wait)
+        """Bytes of ring buffers this plan's runtime holds between calls: the double buffers
+        and partials, the two-level rings' and head parallelism's ring of groups'
+        (``Runtime.owned``)."""
+        return self.runtime.buffer_bytes
 
     def release(self):
         """Free the ring buffers and the CPU backend's working arrays (allocated again on the
         next call)."""
         self.runtime.release()
-        if self._heads is not None:
-            self._heads.release()
 
     # -- the calls --------------------------------------------------------------------
 
@@ -247,11 +238,12 @@ class BurstAttention:
                 ("bwd_comm", self.bwd_comm), ("backend", rt.backend_name),
                 ("transport", rt.transport_name), ("head_parallel", self.head_parallel),
                 ("topology", self.topology),
-                ("BURSTMPI_INTERNODE_GBPS", settings().internode_gbps),  # it picks the transport
+                ("BURSTMPI_INTERNODE_GBPS", rt.settings.internode_gbps),  # it picks the transport
                 ("mask", None if self.mask is None else f"{_short(repr(self.mask))} #{self.mask.digest()}"))
 
     def _prepare(self, fn, arrays, check, cu_seqlens):
-        """Convert and check the arguments, agree across ranks, set up per-shape state.
+        """Convert and check the arguments, agree across ranks, and make the call's context:
+        ``(converted arrays, dims, Call)``.
 
         One collective (``agree``) compares every rank's arguments and tells each the
         others' local lengths; from those every rank derives the same global layout (or
@@ -268,10 +260,10 @@ class BurstAttention:
             # would be silently wrong. Raised through ``agree`` below, so on every rank.
             check_layout_given(self.caller or fn, self.layout_arg, self.nranks,
                                layout_dependence(self.causal, self.window_arg, self.mask, cu))
-            if self._heads is not None:
+            if self.head_parallel > 1:
                 check_head_parallel(fn, self.head_parallel, self.nranks, rt.nodes, dims[2], dims[3])
-            if self._heads is None and self._ring_topology(kind) == "two-level":
-                twolevel.check_two_level(fn, rt.nodes, kind)
+            elif self._ring_topology(kind) == "two-level":
+                twolevel.check_two_level(fn, rt.nodes, kind, rt.settings.internode_gbps)
         except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
             error = e
         sig = [("nranks", self.nranks), ("runs on", kind)] + list(self._options())
@@ -293,53 +285,73 @@ class BurstAttention:
         lay = global_layout(fn, "q.shape[1]", self.layout_name, self.nranks, lengths, cu)
         if self.mask is not None:  # the same global length and heads everywhere: the same error
             self.mask.check(fn, lay.seqlen, dims[2])
-        self.geometry = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu, self.mask)
-        self.layout = self.geometry.layout
+        geo = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu, self.mask)
         d = dims[4]
-        self.scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)
-        return conv, dims
+        scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)
+        topology = "flat" if self.head_parallel > 1 else self._ring_topology(kind, dims, conv["q"].dtype, lay.seqlen)
+        rings = None
+        if topology == "two-level":  # the runtime's, per kind of arrays, device and transport
+            rings = rt.owned(("two-level", kind, getattr(self.backend, "device", None), self.transport.name,
+                              rt.nodes.node_of),
+                             lambda: twolevel.Rings(self.comm, rt.nodes, self.transport, rt.timeout,
+                                                    rt.settings.internode_gbps))
+        call = self.last_call = Call(rank=self.rank, nranks=self.nranks, geometry=geo, scale=scale,
+                                     backend=self.backend, transport=self.transport, channels=rt.channels,
+                                     nodes=rt.nodes, timeout=rt.timeout,
+                                     kv_grads_accumulated=self._kv_grads_accumulated, rings=rings)
+        self.last_stats.topology = topology
+        return conv, dims, call
+
+    def _groups(self):
+        """Head parallelism's side of this plan (``burstmpi.heads``): the runtime's, made by
+        the first call (splitting the communicator is collective)."""
+        rt = self.runtime
+        make = lambda comm, nodes, layout_name, mask, runtime, accumulated: BurstAttention._groups_ring(
+            self, comm, nodes, layout_name, mask, runtime, accumulated)
+        return rt.owned(("head_parallel", self.head_parallel, self._options()),
+                        lambda: HeadParallel(self.head_parallel, self.comm, rt.nodes, rt.timeout, make))
 
     def forward(self, q, k, v, *, cu_seqlens=None):
         """Attention of this rank's queries over the whole ring's keys: ``(out, lse)``."""
         fn = "BurstAttention.forward"
-        h, dims = self._prepare(fn, {"q": q, "k": k, "v": v},
-                                lambda h: check_forward(fn, h["q"], h["k"], h["v"]), cu_seqlens)
-        if self._heads is not None:
-            out, lse, st = self._heads.forward(h, dims, cu_seqlens, self._xp())
-            self.last_stats.forward, self.last_stats.buffer_bytes = st, self._heads.buffer_bytes
-            self.last_stats.topology = self._heads.topology
+        h, dims, call = self._prepare(fn, {"q": q, "k": k, "v": v},
+                                      lambda h: check_forward(fn, h["q"], h["k"], h["v"]), cu_seqlens)
+        if self.head_parallel > 1:
+            groups = self._groups()
+            out, lse, st = groups.forward(call, self.mask, self.layout_name, h, dims, cu_seqlens, self._xp())
+            self.last_stats.forward, self.last_stats.topology = st, groups.topology
+            self.last_stats.buffer_bytes = self.buffer_bytes
             return like(out, q), like(lse, q)
-        topology = self.last_stats.topology = self._ring_topology(self.backend.name, dims, h["q"].dtype)
-        if topology == "two-level":
+        if call.rings is not None:
             run = twolevel.forward
         else:
-            run = twoway.forward if self._forward_two_way(dims, h["q"].dtype) else ring.forward
+            run = twoway.forward if call.forward_two_way(dims, h["q"].dtype) else ring.forward
         with abort_on_device_error(self.comm):
-            out, lse, st = run(self, h["q"], h["k"], h["v"], dims)
-            self._finish(topology)
+            out, lse, st = run(call, h["q"], h["k"], h["v"], dims)
+            self._finish(call)
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
-        self.last_stats.transport = self._transport_name(topology)
+        self.last_stats.transport = self._transport_name(call)
         return like(out, q), like(lse, q)
 
-    def _finish(self, topology):
+    def _finish(self, call):
         """End of a phase: every transport that runs asynchronously (NCCL) checks that its
         transfers completed, with a timeout (``Runtime.finish``), the two-level rings' too."""
         self.runtime.finish()
-        if topology == "two-level":
-            twolevel.rings(self).finish()
+        if call.rings is not None:
+            call.rings.finish()
 
-    def _ring_topology(self, kind, dims=None, dtype=None):
+    def _ring_topology(self, kind, dims=None, dtype=None, seqlen=None):
         """The ring this call runs: "two-level" or "flat". ``topology``'s "auto" is flat unless
         the ranks span several equal nodes of 2+ ranks; there the model chooses
-        (``_auto_topology``) once the call's ``dims`` are agreed (without them, as in the
-        argument checks, "auto" answers flat)."""
+        (``_auto_topology``) once the call's ``dims`` and global ``seqlen`` are agreed
+        (without them, as in the argument checks, "auto" answers flat)."""
         if self.topology != "auto":
             return self.topology
         if not self.runtime.nodes.spread or dims is None:
             return "flat"
-        return self._auto_topology("cuda" if kind == "cuda" else "host", dims, dtype)
+        return self._auto_topology("cuda" if kind == "cuda" else "host", dims, dtype, seqlen)
 
-    def _auto_topology(self, where, dims, dtype):
+    def _auto_topology(self, where, dims, dtype, seqlen):
         """The model's choice between the flat and the two-level ring for this call's shape
         (``model.topology.choose_topology``), at the links' configured or measured speeds
         (``transport.links``: measured once per plan and kind of arrays, collectively: MPI
@@ -348,15 +360,16 @@ class BurstAttention:
         so the rate decides only where both hide their transfers, and there they tie and
         the flat ring is kept. Cached per shape; the same on every rank (the inputs are
         agreed, the measurement reduced)."""
-        key = (where, tuple(dims), str(dtype), self.layout.seqlen)
+        key = (where, tuple(dims), str(dtype), seqlen)
         if key not in self._auto:
             nodes = self.runtime.nodes
             if where not in self._links:
                 gpu = dict(transport=self.transport, alloc=self.backend.alloc) if where == "cuda" else {}
-                self._links[where] = link_speeds(self.comm, nodes, timeout=self.runtime.timeout, **gpu)
+                self._links[where] = link_speeds(self.comm, nodes, timeout=self.runtime.timeout,
+                                                 settings=self.runtime.settings, **gpu)
             intra, inter = self._links[where]
             B, _, Z, Zkv, d, dv = dims
-            shape = Shape(B, self.layout.seqlen, Z, Zkv, d, dv, np.dtype(dtype).itemsize, self.causal, self.window_arg)
+            shape = Shape(B, seqlen, Z, Zkv, d, dv, np.dtype(dtype).itemsize, self.causal, self.window_arg)
             g = len(nodes.members[0])
             rate = _NOMINAL_TFLOPS[where]
             machine = Machine("auto", fwd_tflops=rate, bwd_tflops=rate, intra_gbps=intra, inter_gbps=inter,
@@ -365,71 +378,42 @@ class BurstAttention:
             self._auto[key] = choose_topology(shape, machine, self.nranks, self.layout_name, g, mode)
         return self._auto[key]
 
-    def _transport_name(self, topology):
+    def _transport_name(self, call):
         """``last_stats.transport`` after a call: the call may have fallen back to MPI, and
         the two-level ring names its rings' transports."""
-        return twolevel.transport_name(self) if topology == "two-level" else self.transport.name
+        return call.rings.name if call.rings is not None else self.transport.name
 
     def _xp(self):
         """The array module of the call's converted arrays (NumPy, or CuPy on the GPU)."""
         return getattr(self.backend, "xp", np)
 
-    def _fields(self, mode, dims, dtype):
-        """The packet and partial fields of ``mode`` (``ring.packet_fields``)."""
-        acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-        return ring.packet_fields(mode, ring.packet_dims(self, dims, ring.ROLE[mode]), dtype, acc)
-
-    def _packet_bytes(self, mode, dims, dtype):
-        packet, partial = self._fields(mode, dims, dtype)
-        return ring.nbytes(packet), ring.nbytes(partial)
-
-    def _forward_two_way(self, dims, dtype):
-        """Does the two-way ring move fewer forward bytes than the one-way ring?"""
-        if self.nranks < 3:
-            return False
-        packet, _ = self._sizes("forward", dims, dtype)
-        needs = self.geometry.needs("forward")
-        return twoway.two_way_bytes(needs, packet) < self.schedule("forward", dims, dtype).ring_bytes
-
-    def choose_bwd_mode(self, dims, dtype):
-        """The backward mode a call with these dims and dtype uses: fewest bytes moved, or with
+    def choose_bwd_mode(self, call, dims, dtype):
+        """The backward mode of a call with these dims and dtype: fewest bytes moved, or with
         host arrays on one node the better balanced one-way mode (``_balanced``)."""
         if self.bwd_comm == "two-way" and self.nranks < 3:
             return "burst"  # both directions would reach the same neighbour
         if self.bwd_comm != "auto":
             return self.bwd_comm
-        cost = {}
-        for mode in ("burst", "ring"):
-            packet, partial = self._packet_bytes(mode, dims, dtype)
-            # Ties (one rank: nothing moves) go to the smaller full step, then to "burst".
-            cost[mode] = (self.schedule(mode, dims, dtype).ring_bytes, packet + partial)
-        if self.nranks >= 3 and getattr(self.backend, "split_backward_free", False):
-            kv, _ = self._packet_bytes("forward", dims, dtype)
-            qp, _ = self._packet_bytes("burst", dims, dtype)
-            geo = self.geometry
-            cost["two-way"] = (twoway.two_way_bytes(geo.needs("forward"), self._sizes("forward", dims, dtype)[0])
-                               + twoway.two_way_bytes(geo.needs("burst"), self._sizes("burst", dims, dtype)[0]),
-                               kv + qp)
+        # Ties (one rank: nothing moves) go to the smaller full step, then to "burst".
+        cost = call.backward_costs(dims, dtype, self.nranks >= 3 and getattr(self.backend, "split_backward_free",
+                                                                             False))
         best = min(cost, key=lambda m: cost[m])  # dicts keep order: ties go to burst, ring
         one_node = self.runtime.nodes.count == 1 and self.backend.name == "numpy"
-        return self._balanced(best) if best != "two-way" and one_node else best
+        return self._balanced(call.geometry, best) if best != "two-way" and one_node else best
 
-    def _balanced(self, fewest_bytes):
+    def _balanced(self, geo, fewest_bytes):
         """The one-way backward for a call on host arrays with every rank on one node, given
         the one that moves fewer bytes. There packets move through memory (or are read where
         they lie: the "shm" transport), at a small cost next to the tiles', and the busiest
         rank sets the pace: the other mode is taken when its busiest rank computes at least
         2 % fewer pairs. Both transports choose alike, so they still give the same bits.
 
-        Masks can leave the ranks' keys much less evenly visible than their queries: at 16K
-        tokens on 4 ranks, zigzag, causal, the bench's ``blocks:0.3`` gives the busiest rank
-        9.4 % more pairs than the mean as keys ("burst") and 3.2 % as queries ("ring"), and
-        ``bigbird:2:3:6`` (global keys on rank 0) 68 % and 3 %. "ring"'s backward took 3177
-        ms against 3306 and 1553 against 1722 (alternating runs, ranks pinned as the bench
-        pins them: ``docs/performance.md``). Each rank counts its own two loads
-        (``Geometry.loads``); they are gathered once per geometry (a collective: every
-        rank's call gets here alike)."""
-        geo = self.geometry
+        Masks can leave the ranks' keys much less evenly visible than their queries (the
+        bench's ``blocks:0.3`` on zigzag and causal leaves the busiest rank several per cent
+        more pairs as keys than as queries, ``bigbird`` with global keys on rank 0 much
+        more): the mode that moves fewer bytes is then not the faster one. Each rank counts
+        its own two loads (``Geometry.loads``); they are gathered once per geometry (a
+        collective: every rank's call gets here alike)."""
         busiest = self._loads.get(geo)  # keyed by the object itself (identity): it stays alive
         if busiest is None:
             every = allgather(self.comm, geo.loads(self.rank), self.runtime.timeout,
@@ -449,27 +433,27 @@ class BurstAttention:
             lse_dtype = "float64" if np.dtype(h["q"].dtype) == np.float64 else "float32"
             return check_backward(fn, h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], lse_dtype)
 
-        h, dims = self._prepare(fn, arrays, check, cu_seqlens)
-        if self._heads is not None:
-            dq, dk, dv, st, mode = self._heads.backward(h, dims, cu_seqlens, self._xp())
+        h, dims, call = self._prepare(fn, arrays, check, cu_seqlens)
+        if self.head_parallel > 1:
+            groups = self._groups()
+            dq, dk, dv, st, mode = groups.backward(call, self.mask, self.layout_name, h, dims, cu_seqlens,
+                                                   self._xp())
             self.last_stats.backward, self.last_stats.bwd_mode = st, mode
-            self.last_stats.buffer_bytes = self._heads.buffer_bytes
-            self.last_stats.topology = self._heads.topology
+            self.last_stats.buffer_bytes, self.last_stats.topology = self.buffer_bytes, groups.topology
             return like(dq, q), like(dk, k), like(dv, v)
-        topology = self.last_stats.topology = self._ring_topology(self.backend.name, dims, h["q"].dtype)
-        mode = (twolevel.choose_mode(self.bwd_comm, dims, h["q"].dtype) if topology == "two-level"
-                else self.choose_bwd_mode(dims, h["q"].dtype))
+        dtype = h["q"].dtype
+        mode = (twolevel.choose_mode(self.bwd_comm, dims, dtype) if call.rings is not None
+                else self.choose_bwd_mode(call, dims, dtype))
         args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)
         with abort_on_device_error(self.comm):
-            if topology == "two-level":
-                dq, dk, dv, st = twolevel_backward.backward(self, mode, *args)
+            if call.rings is not None:
+                dq, dk, dv, st = twolevel_backward.backward(call, mode, *args)
             elif mode == "two-way":
-                dq, dk, dv, st = twoway.backward(self, *args)
+                dq, dk, dv, st = twoway.backward(call, *args)
             else:
-                dq, dk, dv, st = ring.backward(self, mode, *args)
-            self._finish(topology)
+                dq, dk, dv, st = ring.backward(call, mode, *args)
+            self._finish(call)
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
-        self.last_stats.transport = self._transport_name(topology)
+        self.last_stats.transport = self._transport_name(call)
         self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)
-

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from .backends import NumpyBackend
 from .backends.cupy_backend import CupyBackend
 from .backends.threads import node_masks, shares_cores, threads_per_rank
-from .config import settings
+from .config import Settings
 from .gpu.device import import_cupy, node_rank, pick_device
 from .interop import cupyx_pinned, is_host, to_device, to_host
 from .ring import flat as ring
@@ -48,49 +48,63 @@ def kernel_ready(xp, a):
 class Runtime:
     """The communicator, backend, transport and buffers of one or more plans.
 
-    ``fn`` names the constructor in errors; ``comm``, ``backend``, ``transport`` and
-    ``device`` are the plan's arguments of the same names (see ``BurstAttention``).
+    ``fn`` names the constructor in errors; ``comm``, ``backend``, ``transport``, ``device``
+    and the setting ``keywords`` (``config.FIELDS``: ``timeout``, ``threads``...) are the
+    plan's arguments of the same names (see ``BurstAttention``), resolved once into
+    ``settings`` (``config.Settings``) here. ``transport`` may also be a
+    callable making a transport from a communicator, and ``backend`` a backend object:
+    those run every call (tests inject emulated kernels and ordered transports this way).
+    ``nodes``: the ranks' nodes where the caller knows them (head parallelism's ring of
+    groups), else discovered by the first call.
     """
 
-    def __init__(self, fn, comm=None, *, backend="auto", transport="auto", device=None, timeout=None):
-        if backend not in BACKENDS:
+    def __init__(self, fn, comm=None, *, backend="auto", transport="auto", device=None, nodes=None, **keywords):
+        made = callable(transport)  # a transport factory (dependency injection)
+        injected = None if isinstance(backend, str) else backend  # a backend object (dependency injection)
+        if injected is None and backend not in BACKENDS:
             raise ValueError(f"{fn}: backend: expected 'auto', 'numpy' or 'cuda', got {backend!r}")
-        if transport not in TRANSPORTS:
+        if injected is not None and not isinstance(getattr(backend, "name", None), str):
+            raise TypeError(f"{fn}: backend: expected 'auto', 'numpy', 'cuda' or a backend object, got {backend!r}")
+        if not made and transport not in TRANSPORTS:
             raise ValueError(f"{fn}: transport: expected 'auto', 'nccl', 'mpi' or 'shm', got {transport!r}")
-        if transport == "nccl" and backend == "numpy":
+        # ``backend="auto"`` leaves the choice to BURSTMPI_BACKEND (itself "auto" by default).
+        cfg = Settings.resolve(fn, backend=backend if injected is None and backend != "auto" else None, **keywords)
+        if transport == "nccl" and cfg.backend == "numpy":
             raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='numpy' needs 'auto', 'mpi' or 'shm'")
-        if transport == "shm" and backend == "cuda":
+        if transport == "shm" and cfg.backend == "cuda":
             raise ValueError(f"{fn}: transport: 'shm' shares host buffers; backend='cuda' needs 'auto', 'nccl' or 'mpi'")
         self.user_comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(self.user_comm, MPI.Intracomm):
             raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
-        cfg = settings()
+        self.settings = cfg
         # Every wait on other ranks ends within this many seconds (``transport.watchdog``).
-        self.timeout = cfg.timeout if timeout is None else watchdog.check_timeout(fn, timeout)
+        self.timeout = cfg.timeout
         if MPI.COMM_WORLD.Get_size() > 1:
             watchdog.install_excepthook()  # one rank's uncaught exception ends the job, not a hang
         self.comm = private_comm(self.user_comm, self.timeout)
         self.rank, self.nranks = self.comm.Get_rank(), self.comm.Get_size()
-        self.transport_name, self.device_arg = transport, device
-        self.backend_name = cfg.backend if backend == "auto" and cfg.backend != "auto" else backend
+        self.transport_name = "given" if made else transport
+        self.device_arg = device
+        self.backend_name = cfg.backend if injected is None else injected.name
         self.tiles, self.check = (cfg.tile_q, cfg.tile_k), cfg.check
-        self._threads, self._cpu_kernels, self._cpu_gemm = cfg.threads, cfg.cpu_kernels, cfg.cpu_gemm
-        self._cuda_aware = cfg.cuda_aware_mpi
-        self.backend = None
-        # Until the first call picks one (``_host_transport``); a transport a test puts in
-        # its place is kept. ``_host``: what host calls use, again after GPU ones.
-        self.transport = self._default = self._waiting(MPITransport(self.comm))
-        self._host = None
+        self.injected = injected  # a backend object that runs every call, or None
+        self.backend = injected
+        # Until the first call picks one (``_host_transport``); a given one is kept.
+        # ``_host``: what host calls use, again after GPU ones.
+        self._default = self._waiting(MPITransport(self.comm))
+        self.transport = self._waiting(transport(self.comm)) if made else self._default
+        self._host = self.transport if made else None
         self._channels = {}
         self._arena = None
-        self.nodes = None  # burstmpi.transport.nodes.Nodes, from the first call on
+        self._owned = {}  # what plans keep between calls besides the arena (``owned``)
+        self.nodes = nodes  # burstmpi.transport.nodes.Nodes, from the first call on
 
     # -- where a call runs ----------------------------------------------------------------
 
     def kind(self, arrays):
         """The backend a call on ``arrays`` (a dict of name -> array) runs on."""
-        if self.backend is not None and self.backend.name not in ("numpy", "cuda"):
-            return self.backend.name  # injected by a test
+        if self.injected is not None:
+            return self.injected.name
         if self.backend_name != "auto":
             return self.backend_name
         return "numpy" if all(is_host(a) for a in arrays.values()) else "cuda"
@@ -108,10 +122,10 @@ class Runtime:
         # The slowed links' setting picks the host transport and is refused with GPU arrays:
         # agreed on here for every caller (a plan, a KV cache). First of the call's
         # collectives, so a rank that did not make the call is named (``validate.agree``).
-        agree(self.comm, fn, None, [("runs on", kind), ("BURSTMPI_INTERNODE_GBPS", settings().internode_gbps)]
+        agree(self.comm, fn, None, [("runs on", kind), ("BURSTMPI_INTERNODE_GBPS", self.settings.internode_gbps)]
               + list(options), timeout=self.timeout)
         if self.nodes is None:  # every rank's first call: collective
-            self.nodes = nodes(self.comm, self.timeout)
+            self.nodes = nodes(self.comm, self.timeout, self.settings.ranks_per_node)
             watchdog.learn_hosts(self.comm, self.nodes.hosts)
             if self.nranks == MPI.COMM_WORLD.Get_size():  # every rank has mapped its node's segment
                 unlink_node_segments()  # so that an abort leaves nothing in /dev/shm
@@ -119,7 +133,7 @@ class Runtime:
             if self.transport_name == "shm":  # the same on every rank: agreed on just above
                 raise ValueError(f"{fn}: transport: 'shm' shares host buffers; GPU arrays need 'auto', "
                                  "'nccl' or 'mpi'")
-            refuse_device_arrays(fn, self.nodes)  # the same on every rank (agreed on above)
+            refuse_device_arrays(fn, self.nodes, self.settings.internode_gbps)  # the same on every rank (agreed above)
             self._use_cuda(fn)
         elif self.backend is None or self.backend.name == "cuda":
             if self.backend is not None:  # back from the GPU: host buffers, the host transport
@@ -131,10 +145,11 @@ class Runtime:
                     self.transport = self._waiting(self._host_transport(fn, one_node=len(masks) == self.nranks))
                 self._host = self.transport
                 self.transport.idle = shares_cores(masks)  # waits sleep if so
-                threads = threads_per_rank(self.comm, self._threads)  # collective
+                threads = threads_per_rank(self.comm, self.settings.threads)  # collective
             error, backend = None, None
+            cfg = self.settings
             try:  # BURSTMPI_CPU_KERNELS=numba without numba: every rank raises
-                backend = NumpyBackend(*self.tiles, threads=threads, kernels=self._cpu_kernels, gemm=self._cpu_gemm)
+                backend = NumpyBackend(*self.tiles, threads=threads, kernels=cfg.cpu_kernels, gemm=cfg.cpu_gemm)
             except RuntimeError as e:
                 error = e
             agree(self.comm, fn, error, [], timeout=self.timeout)
@@ -163,7 +178,7 @@ class Runtime:
         """How host buffers travel: read in place from a shared window when every rank is on
         one node (``one_node``, the same on every rank; ``burstmpi.transport.shm``), unless
         ``transport='mpi'``; else MPI."""
-        gbps = settings().internode_gbps
+        gbps = self.settings.internode_gbps
         if gbps and self.nodes.count > 1:  # a simulation aid: slow links between (fake) nodes
             if self.transport_name == "shm":
                 raise ValueError(f"{fn}: transport: 'shm' reads packets in place; BURSTMPI_INTERNODE_GBPS "
@@ -212,7 +227,7 @@ class Runtime:
         ok = all(has_nccl for _, _, has_nccl in everyone)
         if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
             return nccl.NCCLTransport(self.comm, dev, timeout_s=self.timeout)
-        if self._cuda_aware:
+        if self.settings.cuda_aware_mpi:
             return DeviceMPITransport(self.comm, lambda: cupy.cuda.get_current_stream().synchronize())
 
         def to_host(buf, out):
@@ -296,10 +311,23 @@ class Runtime:
             self._arena = self.backend.alloc(need)
         return self._arena
 
+    def owned(self, key, make):
+        """What a plan keeps between calls besides the arena (the two-level rings and their
+        buffers, head parallelism's ring of groups): ``make()`` once per ``key``, which
+        names everything it depends on (the arrays' kind and device, the transport, the
+        shapes it was made for). Owned here so that ``release`` frees it and
+        ``buffer_bytes`` counts it; it has ``nbytes`` and ``release()``."""
+        got = self._owned.get(key)
+        if got is None:
+            got = self._owned[key] = make()
+        return got
+
     @property
     def buffer_bytes(self):
-        """Bytes of ring buffers held between calls (the double buffers and partials)."""
-        return 0 if self._arena is None else int(self._arena.nbytes)
+        """Bytes of ring buffers held between calls: the arena (the double buffers and
+        partials) and what ``owned`` keeps."""
+        arena = 0 if self._arena is None else int(self._arena.nbytes)
+        return arena + sum(int(o.nbytes) for o in self._owned.values())
 
     def finish(self):
         """End of a phase: a transport that runs asynchronously (NCCL) checks that its
@@ -318,6 +346,8 @@ class Runtime:
         if window is not None:
             with watchdog.guard("the release of the ring buffers' shared window (collective)", self.timeout):
                 window()
+        for kept in self._owned.values():  # their communicators stay: remaking them is collective
+            kept.release()
         free = getattr(self.backend, "release", None)
         if free is not None:
             free()

@@ -83,10 +83,8 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
     sh = lambda x: burstmpi.shard(x, layout=layout, **docs)
     un = lambda x, axis=1: burstmpi.unshard(x, layout=layout, axis=axis, **docs)
     plan = burstmpi.BurstAttention(layout=layout, bwd_comm=bwd_comm, head_parallel=head_parallel, topology=topology,
-                                   **opts)
-    plan.backend = backend
-    if transport is not None:
-        plan.transport = transport(plan.comm)
+                                   backend="auto" if backend is None else backend,
+                                   transport="auto" if transport is None else transport, **opts)
     ql, kl, vl, dol = sh(q), sh(k), sh(v), sh(do)
     C = ql.shape[1]
     out, lse = plan.forward(ql, kl, vl, **docs)

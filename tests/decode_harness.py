@@ -22,11 +22,8 @@ def run_cache(*, B=1, N0=13, Ts=(1,) * 6, Z=4, Zkv=2, d=16, dv=None, dtype="floa
     q, k, v, _ = ref.random_problem(B, total, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     cache = burstmpi.KVCache(capacity=total if capacity is None else capacity, batch=B, kv_heads=Zkv,
                              head_dim=d, v_head_dim=dv, dtype=dtype_of(dtype), window=window,
-                             softmax_scale=softmax_scale, sinks=sinks)
-    if backend is not None:
-        cache.runtime.backend = backend
-    if transport is not None:
-        cache.runtime.transport = transport(cache.runtime.comm)
+                             softmax_scale=softmax_scale, sinks=sinks, backend="auto" if backend is None else backend,
+                             transport="auto" if transport is None else transport)
     opts = dict(causal=True, window=window, softmax_scale=softmax_scale)
     if sinks:  # StreamingLLM: the sinks or the window
         opts.update(window=None, mask=Sinks(sinks) | Window(window[0], 0))

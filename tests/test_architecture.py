@@ -142,3 +142,34 @@ def test_no_module_over_about_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 525}
     assert not long, f"split these (one sitting's reading is about 500 lines): {long}"
+
+
+BELOW_THE_PLAN = ("ring", "transport", "backends", "masks")
+PLAN_WORDS = {"plan", "BurstAttention", "KVCache"}  # names that would hold or make a plan
+PLAN_ATTRIBUTES = {"runtime", "last_stats", "last_call", "_rings", "_heads", "head_parallel"}  # only a plan has them
+
+
+def plan_uses(path):
+    """Where the module at ``path`` takes or touches a plan: a parameter, variable or name
+    ``plan`` (or the plan classes), or an attribute only a plan has. Imports are the other
+    test's."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
+                if arg.arg in PLAN_WORDS:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} takes `{arg.arg}`")
+        elif isinstance(node, ast.Name) and node.id in PLAN_WORDS:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses `{node.id}`")
+        elif isinstance(node, ast.Attribute) and node.attr in PLAN_ATTRIBUTES:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} reads `.{node.attr}`")
+    return found
+
+
+def test_nothing_below_the_plan_takes_or_touches_one():
+    """The ring, transports, backends and masks get a call's context (``ring.context.Call``)
+    and their own arguments, never the plan: a dependency that points up without an import
+    (``tests/ring/test_call_context.py`` watches a plan's attribute reads at run time)."""
+    found = [f for d in BELOW_THE_PLAN for p in sorted((PACKAGE / d).rglob("*.py")) for f in plan_uses(p)]
+    assert not found, "code below the plan takes or touches one:\n" + "\n".join(found)

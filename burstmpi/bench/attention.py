@@ -178,7 +178,7 @@ def _local_kernel_s(plan, q, k, v, do, dev, start):
     dev.sync()
     start()
     t0 = time.perf_counter()
-    be.fwd_block(qr, kr, vr, state, qb, kb, plan.scale)
+    be.fwd_block(qr, kr, vr, state, qb, kb, plan.last_call.scale)
     dev.sync()
     tf = time.perf_counter() - t0
     out, lse = be.fwd_finalize(state, q.dtype)
@@ -188,7 +188,7 @@ def _local_kernel_s(plan, q, k, v, do, dev, start):
     dev.sync()
     start()
     t0 = time.perf_counter()
-    be.bwd_block(qr, dor, D, lse, kr, vr, *grads, qb, kb, plan.scale)
+    be.bwd_block(qr, dor, D, lse, kr, vr, *grads, qb, kb, plan.last_call.scale)
     dev.sync()
     return tf, time.perf_counter() - t0
 

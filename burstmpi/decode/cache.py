@@ -136,6 +136,11 @@ class KVCache(SlotStore, Exchange):
         has this deadline; on expiry the job is aborted with exit code 75 and a
         ``burstmpi watchdog:`` line naming who it waited for; see
         ``docs/guide/configuration.md``.
+    transport : {"auto", "nccl", "mpi", "shm"}
+        How the decode's messages travel, as ``BurstAttention`` takes it.
+    tile_q, tile_k, cpu_kernels, cpu_gemm, threads, check, cuda_aware_mpi, ranks_per_node, link_gbps : optional
+        Settings, as ``BurstAttention`` takes them (``docs/guide/configuration.md``): None
+        takes the ``BURSTMPI_*`` variable of the same name, else the default.
 
     Notes
     -----
@@ -154,7 +159,8 @@ class KVCache(SlotStore, Exchange):
 
     def __init__(self, comm=None, *, capacity, batch, kv_heads, head_dim, v_head_dim=None,
                  dtype=np.float32, softmax_scale=None, window=None, sinks=0, backend="auto", device=None,
-                 timeout=None):
+                 timeout=None, transport="auto", tile_q=None, tile_k=None, cpu_kernels=None, cpu_gemm=None,
+                 threads=None, check=None, cuda_aware_mpi=None, ranks_per_node=None, link_gbps=None):
         fn = "KVCache"
         self.capacity = _count(fn, "capacity", capacity)
         if self.capacity >= 2 ** 31:
@@ -176,7 +182,10 @@ class KVCache(SlotStore, Exchange):
         if self.sinks and self.capacity <= self.sinks:
             raise ValueError(f"{fn}: capacity: expected more than sinks={self.sinks} tokens (the sinks, the window "
                              f"and one call's tokens), got {self.capacity}")
-        self.runtime = Runtime(fn, comm, backend=backend, device=device, timeout=timeout)
+        self.runtime = Runtime(fn, comm, backend=backend, transport=transport, device=device, timeout=timeout,
+                               tile_q=tile_q, tile_k=tile_k, cpu_kernels=cpu_kernels, cpu_gemm=cpu_gemm,
+                               threads=threads, check=check, cuda_aware_mpi=cuda_aware_mpi,
+                               ranks_per_node=ranks_per_node, link_gbps=link_gbps)
         P = self.runtime.nranks
         # The window's ring buffer: its share of what is not a sink.
         self.slots = -(-(self.capacity - self.sinks) // P) + (1 if P > 1 else 0)

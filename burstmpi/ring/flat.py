@@ -62,10 +62,10 @@ def nbytes(fields):
 ROLE = {"forward": "k", "ring": "k", "burst": "q"}
 
 
-def packet_dims(plan, dims, role):
+def packet_dims(call, dims, role):
     """``dims`` with the sequence length of a packet of ``role`` ("k" or "q")."""
     B, _, Z, Zkv, d, dv = dims
-    return B, plan.geometry.packet_rows(role), Z, Zkv, d, dv
+    return B, call.geometry.packet_rows(role), Z, Zkv, d, dv
 
 
 def packet_fields(mode, dims, dtype, acc):
@@ -102,7 +102,7 @@ class Timer:
         return out
 
 
-def _steps(plan, chan, sched, timer, partials=None, rows=(None, None)):
+def _steps(call, chan, sched, timer, partials=None, rows=(None, None)):
     """Yield the ring steps, posting each step's transfers before its compute and waiting
     after it: the double-buffering rhythm of every phase.
 
@@ -115,10 +115,10 @@ def _steps(plan, chan, sched, timer, partials=None, rows=(None, None)):
     that comes in to go on is sent on as soon as it is here where the transport allows
     (``Channel.post(forward=)``), not after this rank's compute.
     """
-    P = plan.nranks
+    P = call.nranks
     for t in range(P):
         more = t < P - 1
-        with plan.transport.group():
+        with call.transport.group():
             if more:
                 on = t + 1 < P - 1 and sched.send[t + 1]  # the packet coming in goes on
                 chan.post(send=sched.send[t], recv=sched.recv[t],
@@ -131,7 +131,7 @@ def _steps(plan, chan, sched, timer, partials=None, rows=(None, None)):
         if more:
             timer.run("wait", chan.wait)
     if partials is not None:
-        with plan.transport.group():
+        with call.transport.group():
             partials(P)
 
 
@@ -292,28 +292,28 @@ def backward_operands(be, dout, q, k, v, out, lse, dims, acc):
     return home_q, home_k, be.bwd_state(B, Zkv, C, g, d, dv, acc)
 
 
-def finish_gradients(plan, grads, dtype):
+def finish_gradients(call, grads, dtype):
     """(dq, dk, dv) in the caller's layout and ``dtype``, from the accumulators (emptied:
     they are the backend's, and a backend may drop or reuse each once it is copied). dK and
-    dV stay in the accumulation dtype where ``plan.kv_grads_accumulated`` (head parallelism
+    dV stay in the accumulation dtype where ``call.kv_grads_accumulated`` (head parallelism
     adds replicated K/V heads' shares before rounding once)."""
-    be = plan.backend
-    kv_dtype = be.acc_dtype(dtype) if plan.kv_grads_accumulated else dtype
-    dq = _from_rows(be, grads.pop("dq"), dtype, plan.scale)
+    be = call.backend
+    kv_dtype = be.acc_dtype(dtype) if call.kv_grads_accumulated else dtype
+    dq = _from_rows(be, grads.pop("dq"), dtype, call.scale)
     dk = _from_kv(be, grads.pop("dk"), kv_dtype)
     dvv = _from_kv(be, grads.pop("dv"), kv_dtype)
     return dq, dk, dvv
 
 
-def forward(plan, q, k, v, dims):
+def forward(call, q, k, v, dims):
     """Return (out, lse, stats) for this rank's q, k, v."""
-    be = plan.backend
+    be = call.backend
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
-    geo = plan.geometry
-    packet, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
-    sched = plan.schedule("forward", dims, q.dtype)
-    (chan,) = plan.channels("forward", [(Channel, packet, TAG_FWD, sched.direction)])
+    geo = call.geometry
+    packet, _ = packet_fields("forward", packet_dims(call, dims, "k"), q.dtype, acc)
+    sched = call.schedule("forward", dims, q.dtype)
+    (chan,) = call.channels("forward", [(Channel, packet, TAG_FWD, sched.direction)])
     timer, t_start = Timer(), time.perf_counter()
 
     home_k = key_operands(k, v)
@@ -324,33 +324,33 @@ def forward(plan, q, k, v, dims):
             home_k = chan.current
     q_rows = grouped_rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
-    qb = geo.block("q", plan.rank)
+    qb = geo.block("q", call.rank)
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]
-    for t in _steps(plan, chan, sched, timer, rows=rows):
+    for t in _steps(call, chan, sched, timer, rows=rows):
         if sched.compute[t]:
             owner = sched.owners[t]
-            if owner == plan.rank:
+            if owner == call.rank:
                 parts = [(home_k, geo.block("k", owner))]
             else:
                 parts = [(ks, kb) for (ks,), kb in runs(geo, "k", owner, sched.direction, t, chan.current)]
             for ks, kb in parts:
                 timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb),
-                          plan.scale, poll=chan.progress)
+                          call.scale, poll=chan.progress)
     out, lse = finish_forward(be, state, q.dtype, dims)
-    pairs = sum(geo.pairs(plan.rank, o) for o in owners)
-    return out, lse, plan.phase_stats([chan], owners, pairs, sched.direction, timer, t_start)
+    pairs = sum(geo.pairs(call.rank, o) for o in owners)
+    return out, lse, call.phase_stats([chan], owners, pairs, sched.direction, timer, t_start)
 
 
-def backward(plan, mode, dout, q, k, v, out, lse, dims):
+def backward(call, mode, dout, q, k, v, out, lse, dims):
     """Return (dq, dk, dv, stats) in ``mode`` ("burst" or "ring")."""
-    be, xp = plan.backend, plan.backend.xp
+    be, xp = call.backend, call.backend.xp
     C = dims[1]
     acc = be.acc_dtype(q.dtype)
-    geo = plan.geometry
+    geo = call.geometry
     role = ROLE[mode]
-    packet, partial = packet_fields(mode, packet_dims(plan, dims, role), q.dtype, acc)
-    sched = plan.schedule(mode, dims, q.dtype)
-    chan, part = plan.channels(mode, [(Channel, packet, TAG_BWD, sched.direction),
+    packet, partial = packet_fields(mode, packet_dims(call, dims, role), q.dtype, acc)
+    sched = call.schedule(mode, dims, q.dtype)
+    chan, part = call.channels(mode, [(Channel, packet, TAG_BWD, sched.direction),
                                       (PartialChannel, partial, TAG_PARTIAL, sched.direction)])
     timer, t_start = Timer(), time.perf_counter()
 
@@ -379,11 +379,11 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
             part.post_recv(source=sched.home_from, rows=len(mine), home=True)
 
     poll = lambda: any([chan.progress(), part.progress()])
-    for t in _steps(plan, chan, sched, timer, partials, rows):
+    for t in _steps(call, chan, sched, timer, partials, rows):
         owner = sched.owners[t]
         partial = part.send_buffer(leaves(owner)) if t > 0 and sched.partial_send[t] else None
         if sched.compute[t]:
-            if owner == plan.rank:  # our own step: the full local arrays
+            if owner == call.rank:  # our own step: the full local arrays
                 parts = [(home, geo.block(role, owner), grads)]
             else:  # each run of the rows it was handed, and their rows of the partial
                 parts = [(views, blk, {**grads, **rows_of_partial})
@@ -391,12 +391,12 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
                                                                    chan.current, partial)]
             for travelling, block, target in parts:
                 if mode == "burst":
-                    qs, ks, qb, kb = travelling, home_k, block, geo.block("k", plan.rank)
+                    qs, ks, qb, kb = travelling, home_k, block, geo.block("k", call.rank)
                 else:
-                    qs, ks, qb, kb = home_q, travelling, geo.block("q", plan.rank), block
+                    qs, ks, qb, kb = home_q, travelling, geo.block("q", call.rank), block
                 timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"],
                           ks["k"], ks["v"], target["dq"], target["dk"], target["dv"],
-                          geo.pieces(qb, kb), plan.scale, poll=poll)
+                          geo.pieces(qb, kb), call.scale, poll=poll)
         if t > 0 and sched.partial_recv[t]:
             for name, view in timer.run("wait", part.received).items():
                 partial[name] += view
@@ -406,9 +406,9 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     timer.run("wait", part.drain)
 
     del partial
-    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
+    dq, dk, dvv = finish_gradients(call, grads, q.dtype)
     owners = [o for o, c in zip(sched.owners, sched.compute) if c]
     # The holder's pairs: its queries against the owner's keys, or (burst) the owner's
     # queries against its keys.
-    pairs = sum(geo.pairs(o, plan.rank) if mode == "burst" else geo.pairs(plan.rank, o) for o in owners)
-    return dq, dk, dvv, plan.phase_stats([chan, part], owners, pairs, sched.direction, timer, t_start)
+    pairs = sum(geo.pairs(o, call.rank) if mode == "burst" else geo.pairs(call.rank, o) for o in owners)
+    return dq, dk, dvv, call.phase_stats([chan, part], owners, pairs, sched.direction, timer, t_start)

@@ -42,8 +42,9 @@ later holder reads, and an outer hop only those that later nodes read, so the ne
 carries no row no node ahead needs. A partial holds the rows its block brought to the
 node. Steps with no visible pair skip their compute; their transfer still runs, shrunk,
 often to nothing, so that every rank posts the same transfers in the same order. The
-buffers are the plan's, kept from call to call while the shapes stay
-(``BurstAttention.buffer_bytes`` counts them).
+rings and their buffers are the runtime's (``Runtime.owned``: one ``Rings`` per kind of
+arrays, device and transport), kept from call to call while the shapes stay, counted by
+``buffer_bytes`` and freed by ``release()``; a call reads them from its ``Call``.
 """
 
 import time
@@ -51,7 +52,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import settings
 from ..transport.comm import Channel, split_once
 from ..transport.nodes import Nodes
 from ..transport.slowlinks import SlowLinksTransport, refuse_device_arrays
@@ -59,30 +59,29 @@ from .flat import (Timer, cut_runs, finish_forward, fwd_pieces, grouped_rows, ke
                    packet_dims, packet_fields)
 from .stats import PhaseStats
 
-__all__ = ["check_two_level", "block_owner", "choose_mode", "transport_name", "forward"]
+__all__ = ["Rings", "check_two_level", "block_owner", "choose_mode", "forward"]
 
 TAG_INNER, TAG_OUTER, TAG_PARTIAL, TAG_HOME, TAG_Q_INNER, TAG_Q_OUTER = 41, 42, 43, 44, 45, 46
-# The rings' transport: None takes the plan's ``on`` each ring's communicator; a class
-# (taking the communicator) replaces it on both rings, for tests that want the rings on
-# another transport than the partials home.
-RING_TRANSPORT = None
-
-
-def check_two_level(fn, nodes, kind):
+def check_two_level(fn, nodes, kind, internode_gbps=None):
     """Raise ValueError naming ``topology`` where these nodes (or arrays of ``kind``) cannot
-    run two rings."""
+    run two rings (``internode_gbps``: the caller's slowed-links setting)."""
     if kind == "cuda":
-        refuse_device_arrays(f"{fn}: topology", nodes)
+        refuse_device_arrays(f"{fn}: topology", nodes, internode_gbps)
     if not nodes.equal:
         raise ValueError(f"{fn}: topology: 'two-level' needs nodes of equal size, got {nodes.describe()} "
                          "(BURSTMPI_RANKS_PER_NODE sets the node size)")
 
 
-class _Rings:
-    """The inner and outer communicators and their transports (split once per plan)."""
+class Rings:
+    """The inner and outer communicators, their transports and buffers: made once per
+    runtime and kind of arrays (``Runtime.owned``; the split is collective: every rank's
+    first two-level call), from the plan's communicator ``comm``, the ranks' ``nodes`` and
+    the plan's ``transport``, whose kind each ring runs on its communicator (``on``):
+    NCCL with a communicator and a stream per ring on GPUs, MPI on the host (a shared
+    window is the plan communicator's, so its rings copy through MPI). ``internode_gbps``:
+    the slowed links' simulation aid (host arrays only, ``check_two_level``)."""
 
-    def __init__(self, plan):
-        nodes, comm = plan.runtime.nodes, plan.comm
+    def __init__(self, comm, nodes, transport, timeout, internode_gbps=0.0):
         self.node, self.local = nodes.node, nodes.local_rank
         self.N, self.g = nodes.count, len(nodes.members[0])
         self.members = nodes.members
@@ -90,19 +89,14 @@ class _Rings:
         # names this node map in the geometry's cache of routes (a string: its hash is kept)
         self.path_name = "two-level:" + ",".join(map(str, nodes.node_of))
         self.inner, self.outer = split_once(comm, ("two-level", nodes.node_of),
-                                            [(self.node, self.local), (self.local, self.node)],
-                                            plan.runtime.timeout)
-        # The plan's kind of transport on each ring's communicator (``on``): NCCL with a
-        # communicator and a stream per ring on GPUs, MPI on the host (a shared window is
-        # the plan communicator's, so its rings copy through MPI).
-        gbps = settings().internode_gbps
-        on = lambda c: _ring_transport(plan, c)
-        self.t_inner = on(self.inner)
-        if gbps:  # host arrays only (check_two_level)
-            self.t_outer = SlowLinksTransport(self.outer, Nodes(range(self.N), self.node), gbps)
-            self.t_outer.idle = plan.transport.idle
+                                            [(self.node, self.local), (self.local, self.node)], timeout)
+        self.t_inner = transport.on(self.inner)
+        if internode_gbps:
+            self.t_outer = SlowLinksTransport(self.outer, Nodes(range(self.N), self.node), internode_gbps)
+            self.t_outer.idle, self.t_outer.timeout = transport.idle, transport.timeout
         else:
-            self.t_outer = on(self.outer)
+            self.t_outer = transport.on(self.outer)
+        self.home_name = transport.name  # the partials home travel on the plan's transport
         self._kept, self.nbytes = {}, 0
 
     def finish(self):
@@ -110,6 +104,16 @@ class _Rings:
         their transfers completed, as ``Runtime.finish`` does for the plan's."""
         self.t_inner.finish()
         self.t_outer.finish()
+
+    def release(self):
+        """Drop the buffers (made again by the next call); the communicators and transports
+        stay, since remaking them is collective."""
+        self._kept, self.nbytes = {}, 0
+
+    @property
+    def name(self):
+        """What ``last_stats.transport`` says of a two-level call."""
+        return f"two-level: inner {self.t_inner.name}, outer {self.t_outer.name}, partials home {self.home_name}"
 
     def kept(self, key, make, be):
         """The buffers ``make(alloc)`` builds for ``key`` (fields), made once and counted."""
@@ -130,15 +134,6 @@ class _Rings:
                        alloc=alloc, single=size == 1)
 
 
-def _ring_transport(plan, comm):
-    """A ring's transport on ``comm``: the plan's kind (``on``), or ``RING_TRANSPORT``."""
-    if RING_TRANSPORT is None:
-        return plan.transport.on(comm)
-    t = RING_TRANSPORT(comm)
-    t.idle = plan.transport.idle
-    return t
-
-
 def block_owner(members, node, local, o, s):
     """The rank whose block local rank ``local`` of node ``node`` holds at cycle o, step s
     (``members``: ``Nodes.members``, equal nodes; negative o and s: the mirrored rings)."""
@@ -156,19 +151,6 @@ def choose_mode(bwd_comm, dims, dtype):
     acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     cost = {mode: sum(nbytes(f) for f in packet_fields(mode, dims, dtype, acc)) for mode in ("burst", "ring")}
     return min(cost, key=cost.get)
-
-
-def transport_name(plan):
-    """What ``last_stats.transport`` says of a two-level call: its rings' transports."""
-    r = rings(plan)
-    return f"two-level: inner {r.t_inner.name}, outer {r.t_outer.name}, partials home {plan.transport.name}"
-
-
-def rings(plan):
-    rings = getattr(plan, "_rings", None)
-    if rings is None:
-        rings = plan._rings = _Rings(plan)  # collective: every rank's first two-level call
-    return rings
 
 
 def _seed(inner, outer, n):
@@ -281,24 +263,24 @@ def key(fields):
     return tuple((name, tuple(shape), str(dt)) for name, shape, dt in fields)
 
 
-def stats(plan, sent_inner, sent_outer, sent_home, received, owners, pairs, timer, t_start):
-    home_inter = sum(n for dest, n in sent_home.items() if plan.runtime.nodes.remote(plan.rank, dest))
+def stats(call, sent_inner, sent_outer, sent_home, received, owners, pairs, timer, t_start):
+    home_inter = sum(n for dest, n in sent_home.items() if call.nodes.remote(call.rank, dest))
     total = sent_inner + sent_outer + sum(sent_home.values())
     computed = len(set(owners))
     return PhaseStats(bytes_sent=total, bytes_internode=sent_outer + home_inter, bytes_recv=received,
                       steps_computed=computed,
-                      steps_skipped=plan.nranks - computed, pairs=int(pairs), direction=1,
+                      steps_skipped=call.nranks - computed, pairs=int(pairs), direction=1,
                       wall_s=time.perf_counter() - t_start, compute_s=timer.compute, wait_s=timer.wait)
 
 
-def forward(plan, q, k, v, dims):
+def forward(call, q, k, v, dims):
     """Return (out, lse, stats) for this rank's q, k, v."""
-    be, geo = plan.backend, plan.geometry
+    be, geo = call.backend, call.geometry
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
-    r = rings(plan)
-    me = plan.rank
-    packet, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
+    r = call.rings
+    me = call.rank
+    packet, _ = packet_fields("forward", packet_dims(call, dims, "k"), q.dtype, acc)
     ring = channels(r, packet, be, Route(r, geo, "k", 1))
     timer, t_start = Timer(), time.perf_counter()
     home = key_operands(k, v)
@@ -314,10 +296,10 @@ def forward(plan, q, k, v, dims):
         owners.append(w)
         parts = [(home, geo.block("k", me))] if t == 0 else [(ks, kb) for (ks,), kb in ring.route.runs(w, t, views)]
         for ks, kb in parts:
-            timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), plan.scale,
+            timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), call.scale,
                       poll=poll)
     out, lse = finish_forward(be, state, q.dtype, dims)
     pairs = sum(geo.pairs(me, w) for w in owners)
     inner, outer = ring.inner, ring.outer
-    return out, lse, stats(plan, inner.bytes_sent, outer.bytes_sent, {}, inner.bytes_recv + outer.bytes_recv,
+    return out, lse, stats(call, inner.bytes_sent, outer.bytes_sent, {}, inner.bytes_recv + outer.bytes_recv,
                             owners, pairs, timer, t_start)

@@ -7,7 +7,7 @@ import time
 
 from ..transport.comm import Packet
 from .flat import ROLE, Timer, _select, backward_operands, bwd_pieces, finish_gradients, packet_dims, packet_fields
-from .twolevel import TAG_HOME, TAG_PARTIAL, TAG_Q_INNER, TAG_Q_OUTER, Route, channels, key, load, rings, stats, steps
+from .twolevel import TAG_HOME, TAG_PARTIAL, TAG_Q_INNER, TAG_Q_OUTER, Route, channels, key, load, stats, steps
 
 __all__ = ["backward"]
 
@@ -64,20 +64,20 @@ class _Home:
         self.sreq = [None, None]
 
 
-def backward(plan, mode, dout, q, k, v, out, lse, dims):
+def backward(call, mode, dout, q, k, v, out, lse, dims):
     """Return (dq, dk, dv, stats) in ``mode``: "ring" (K, V and their dK/dV partials on the
     two rings), "burst" (the query side and its dQ partial) or "two-way"."""
     if mode == "two-way":
-        return _backward_two_way(plan, dout, q, k, v, out, lse, dims)
-    be, geo = plan.backend, plan.geometry
+        return _backward_two_way(call, dout, q, k, v, out, lse, dims)
+    be, geo = call.backend, call.geometry
     xp = be.xp
     C = dims[1]
     acc = be.acc_dtype(q.dtype)
-    r = rings(plan)
+    r = call.rings
     burst = mode == "burst"
     role = ROLE[mode]
     route = Route(r, geo, role, 1)
-    packet, partial = packet_fields(mode, packet_dims(plan, dims, role), q.dtype, acc)
+    packet, partial = packet_fields(mode, packet_dims(call, dims, role), q.dtype, acc)
     ring = channels(r, packet, be, route)
     inner, outer = ring.inner, ring.outer
     # A partial passes to the next rank of the node with its block, or goes home, as soon
@@ -87,12 +87,12 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     # rows, those it was handed.
     ipart, incoming, home = r.kept(("partials", key(partial)), lambda alloc: (
         [Packet(partial, alloc) for _ in range(2)], Packet(partial, alloc), _Home(partial, alloc)), be)
-    home.begin(plan.transport)
+    home.begin(call.transport)
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
     if burst:  # K and V stay home for every step: as the tiles read them, once
         home_k = be.resident_keys(home_k["k"], home_k["v"], acc)
-    me = plan.rank
+    me = call.rank
     travelling = home_q if burst else home_k
     load(ring, travelling, me, xp)
     mine = route.mine(me)
@@ -108,7 +108,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     owners, ipart_req, ipart_recv, inner_sent, inner_recv = [], [None, None], None, 0, 0
     ready, going_home = None, None  # finished partials: (buffer, rows) for the next rank; (owner, rows) home
     poll = lambda: any([inner.progress(), outer.progress(), bool(home.pending()) and not
-                        plan.transport.progress(home.pending())])
+                        call.transport.progress(home.pending())])
     pb_index = 0
 
     def then(o, s):
@@ -133,7 +133,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
             return
         while len(pend) >= 2:  # the older of the two landing buffers: add it now
             _add(timer, home, grads, *pend.pop(0))
-        with plan.transport.group():
+        with call.transport.group():
             if going_home is not None:
                 home.post_send(*going_home)
                 going_home = None
@@ -160,7 +160,7 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
             for trav, blk, target in parts:
                 qs, ks, qb, kb = (trav, home_k, blk, kb_me) if burst else (home_q, trav, qb_me, blk)
                 timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
-                          target["dq"], target["dk"], target["dv"], geo.pieces(qb, kb), plan.scale, poll=poll)
+                          target["dq"], target["dk"], target["dv"], geo.pieces(qb, kb), call.scale, poll=poll)
         if own:
             continue
         if ipart_recv is not None:  # the previous holder's partial of this block: added after ours
@@ -179,9 +179,9 @@ def backward(plan, mode, dout, q, k, v, out, lse, dims):
     timer.run("wait", home.drain)
     for slot, at in pend:
         _add(timer, home, grads, slot, at)
-    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
+    dq, dk, dvv = finish_gradients(call, grads, q.dtype)
     pairs = sum(visible(w) for w in owners)
-    st = stats(plan, inner.bytes_sent + inner_sent, outer.bytes_sent, home.sent,
+    st = stats(call, inner.bytes_sent + inner_sent, outer.bytes_sent, home.sent,
                inner.bytes_recv + outer.bytes_recv + inner_recv + home.received_bytes, owners, pairs, timer, t_start)
     return dq, dk, dvv, st
 
@@ -192,17 +192,17 @@ def _add(timer, home, grads, slot, at):
         grads[name][:, :, at] += view
 
 
-def _backward_two_way(plan, dout, q, k, v, out, lse, dims):
+def _backward_two_way(call, dout, q, k, v, out, lse, dims):
     """K/V on the rings, the query side on the mirrored rings, nothing home: dQ of our
     queries from every K/V block that reaches us, dK/dV of our keys from every query block
     (the flat two-way ring's split, ``burstmpi.ring.twoway``)."""
-    be, geo = plan.backend, plan.geometry
+    be, geo = call.backend, call.geometry
     acc = be.acc_dtype(q.dtype)
-    r = rings(plan)
-    me = plan.rank
-    kv_ring = channels(r, packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)[0], be,
+    r = call.rings
+    me = call.rank
+    kv_ring = channels(r, packet_fields("forward", packet_dims(call, dims, "k"), q.dtype, acc)[0], be,
                         Route(r, geo, "k", 1))
-    q_ring = channels(r, packet_fields("burst", packet_dims(plan, dims, "q"), q.dtype, acc)[0], be,
+    q_ring = channels(r, packet_fields("burst", packet_dims(call, dims, "q"), q.dtype, acc)[0], be,
                        Route(r, geo, "q", -1), (TAG_Q_INNER, TAG_Q_OUTER))
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
@@ -215,7 +215,7 @@ def _backward_two_way(plan, dout, q, k, v, out, lse, dims):
 
     def run(qs, ks, dq, dk, dv_, qb, kb):
         timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
-                  dq, dk, dv_, geo.pieces(qb, kb), plan.scale, poll=poll)
+                  dq, dk, dv_, geo.pieces(qb, kb), call.scale, poll=poll)
 
     for o, s, t, [(wk, kv), (wq, qv)] in steps(r, both, timer):
         if t == 0:  # our own block, once, for all three gradients
@@ -234,7 +234,7 @@ def _backward_two_way(plan, dout, q, k, v, out, lse, dims):
             pairs += geo.pairs(wq, me)
             for (qs,), qb in q_ring.route.runs(wq, t, qv):
                 run(qs, home_k, None, grads["dk"], grads["dv"], qb, kb_me)
-    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
+    dq, dk, dvv = finish_gradients(call, grads, q.dtype)
     sent = [sum(getattr(ring, c).bytes_sent for ring in both) for c in ("inner", "outer")]
     received = sum(c.bytes_recv for ring in both for c in (ring.inner, ring.outer))
-    return dq, dk, dvv, stats(plan, sent[0], sent[1], {}, received, owners, pairs, timer, t_start)
+    return dq, dk, dvv, stats(call, sent[0], sent[1], {}, received, owners, pairs, timer, t_start)

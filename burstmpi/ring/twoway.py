@@ -117,13 +117,13 @@ def _runs(geo, role, chan, d, t):
     return [(views, blk) for (views,), blk in runs(geo, role, o, d.sign, t, chan.current, arc=d.reach[o])]
 
 
-def _run(plan, steps, channels, timer, compute):
+def _run(call, steps, channels, timer, compute):
     """The double-buffering rhythm with two directions: each step posts the transfers of
     every (channel, direction plan) in ``channels`` as one group, runs ``compute(t)``,
     then waits for them."""
     for t in range(steps):
         more = t < steps - 1
-        with plan.transport.group():
+        with call.transport.group():
             if more:
                 for chan, d in channels:
                     chan.post(send=d.send[t], recv=d.recv[t], send_rows=d.send_rows[t], recv_rows=d.recv_rows[t])
@@ -133,96 +133,96 @@ def _run(plan, steps, channels, timer, compute):
                 timer.run("wait", chan.wait)
 
 
-def forward(plan, q, k, v, dims):
+def forward(call, q, k, v, dims):
     """Return (out, lse, stats), K/V travelling two ways."""
-    be = plan.backend
+    be = call.backend
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
-    geo = plan.geometry
-    packet, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
-    sched = TwoWaySchedule(geo.needs("forward"), plan.rank, held=_held(geo, "k"))
-    up, down = plan.channels("forward-two-way", [(Channel, packet, TAG_UP, +1), (Channel, packet, TAG_DOWN, -1)])
+    geo = call.geometry
+    packet, _ = packet_fields("forward", packet_dims(call, dims, "k"), q.dtype, acc)
+    sched = TwoWaySchedule(geo.needs("forward"), call.rank, held=_held(geo, "k"))
+    up, down = call.channels("forward-two-way", [(Channel, packet, TAG_UP, +1), (Channel, packet, TAG_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
     home_k = key_operands(k, v)
-    _load((up, down), (sched.up, sched.down), geo, "k", home_k, plan.rank, be.xp)
+    _load((up, down), (sched.up, sched.down), geo, "k", home_k, call.rank, be.xp)
     q_rows = grouped_rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
-    qb = geo.block("q", plan.rank)
+    qb = geo.block("q", call.rank)
     owners = []
     poll = lambda: any([up.progress(), down.progress()])
 
     def block(parts, owner):
         owners.append(owner)
         for ks, kb in parts:
-            timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), plan.scale,
+            timer.run("compute", fwd_pieces, be, q_rows, ks["k"], ks["v"], state, geo.pieces(qb, kb), call.scale,
                       poll=poll)
 
     def compute(t):
         if t == 0:
             if sched.local:
-                block([(home_k, geo.block("k", plan.rank))], plan.rank)
+                block([(home_k, geo.block("k", call.rank))], call.rank)
             return
         for chan, dplan in ((up, sched.up), (down, sched.down)):
             if dplan.compute[t]:
                 block(_runs(geo, "k", chan, dplan, t), dplan.owners[t])
 
-    _run(plan, sched.steps, [(up, sched.up), (down, sched.down)], timer, compute)
+    _run(call, sched.steps, [(up, sched.up), (down, sched.down)], timer, compute)
     out, lse = finish_forward(be, state, q.dtype, dims)
-    pairs = sum(geo.pairs(plan.rank, o) for o in owners)
-    return out, lse, plan.phase_stats([up, down], owners, pairs, 0, timer, t_start)
+    pairs = sum(geo.pairs(call.rank, o) for o in owners)
+    return out, lse, call.phase_stats([up, down], owners, pairs, 0, timer, t_start)
 
 
-def backward(plan, dout, q, k, v, out, lse, dims):
+def backward(call, dout, q, k, v, out, lse, dims):
     """Return (dq, dk, dv, stats): K/V and Q/dO/D/lse travel two ways, nothing comes home."""
-    be = plan.backend
+    be = call.backend
     B, C, Z, Zkv, d, dv = dims
     acc = be.acc_dtype(q.dtype)
-    geo = plan.geometry
-    kv_fields, _ = packet_fields("forward", packet_dims(plan, dims, "k"), q.dtype, acc)
-    q_fields, _ = packet_fields("burst", packet_dims(plan, dims, "q"), q.dtype, acc)
+    geo = call.geometry
+    kv_fields, _ = packet_fields("forward", packet_dims(call, dims, "k"), q.dtype, acc)
+    q_fields, _ = packet_fields("burst", packet_dims(call, dims, "q"), q.dtype, acc)
     kv_needs, q_needs = geo.needs("forward"), geo.needs("burst")
-    steps = max(TwoWaySchedule(kv_needs, plan.rank).steps, TwoWaySchedule(q_needs, plan.rank).steps)
-    kv_s = TwoWaySchedule(kv_needs, plan.rank, steps, _held(geo, "k"))
-    q_s = TwoWaySchedule(q_needs, plan.rank, steps, _held(geo, "q"))
-    kvu, kvd, qu, qd = plan.channels("two-way", [
+    steps = max(TwoWaySchedule(kv_needs, call.rank).steps, TwoWaySchedule(q_needs, call.rank).steps)
+    kv_s = TwoWaySchedule(kv_needs, call.rank, steps, _held(geo, "k"))
+    q_s = TwoWaySchedule(q_needs, call.rank, steps, _held(geo, "q"))
+    kvu, kvd, qu, qd = call.channels("two-way", [
         (Channel, kv_fields, TAG_UP, +1), (Channel, kv_fields, TAG_DOWN, -1),
         (Channel, q_fields, TAG_Q_UP, +1), (Channel, q_fields, TAG_Q_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    _load((kvu, kvd), (kv_s.up, kv_s.down), geo, "k", home_k, plan.rank, be.xp)
-    _load((qu, qd), (q_s.up, q_s.down), geo, "q", home_q, plan.rank, be.xp)
-    qb_home, kb_home = geo.block("q", plan.rank), geo.block("k", plan.rank)
+    _load((kvu, kvd), (kv_s.up, kv_s.down), geo, "k", home_k, call.rank, be.xp)
+    _load((qu, qd), (q_s.up, q_s.down), geo, "q", home_q, call.rank, be.xp)
+    qb_home, kb_home = geo.block("q", call.rank), geo.block("k", call.rank)
     owners, pairs = [], 0
     chans = (kvu, kvd, qu, qd)
     poll = lambda: any([c.progress() for c in chans])
 
     def run(qs, ks, dq, dk, dv_, qb, kb):
         timer.run("compute", bwd_pieces, be, qs["q"], qs["do"], qs["D"], qs["lse"], ks["k"], ks["v"],
-                  dq, dk, dv_, geo.pieces(qb, kb), plan.scale, poll=poll)
+                  dq, dk, dv_, geo.pieces(qb, kb), call.scale, poll=poll)
 
     def compute(t):
         nonlocal pairs
         if t == 0:
             if kv_s.local:
-                owners.append(plan.rank)
-                pairs += geo.pairs(plan.rank, plan.rank)
+                owners.append(call.rank)
+                pairs += geo.pairs(call.rank, call.rank)
                 run(home_q, home_k, grads["dq"], grads["dk"], grads["dv"], qb_home, kb_home)
             return
         for chan, dplan in ((kvu, kv_s.up), (kvd, kv_s.down)):
             if dplan.compute[t]:  # their keys: dQ of our queries
                 o = dplan.owners[t]
                 owners.append(o)
-                pairs += geo.pairs(plan.rank, o)
+                pairs += geo.pairs(call.rank, o)
                 for ks, kb in _runs(geo, "k", chan, dplan, t):
                     run(home_q, ks, grads["dq"], None, None, qb_home, kb)
         for chan, dplan in ((qu, q_s.up), (qd, q_s.down)):
             if dplan.compute[t]:  # their queries: dK, dV of our keys
                 o = dplan.owners[t]
                 owners.append(o)
-                pairs += geo.pairs(o, plan.rank)
+                pairs += geo.pairs(o, call.rank)
                 for qs, qb in _runs(geo, "q", chan, dplan, t):
                     run(qs, home_k, None, grads["dk"], grads["dv"], qb, kb_home)
 
-    _run(plan, steps, [(kvu, kv_s.up), (kvd, kv_s.down), (qu, q_s.up), (qd, q_s.down)], timer, compute)
-    dq, dk, dvv = finish_gradients(plan, grads, q.dtype)
-    return dq, dk, dvv, plan.phase_stats(list(chans), owners, pairs, 0, timer, t_start)
+    _run(call, steps, [(kvu, kv_s.up), (kvd, kv_s.down), (qu, q_s.up), (qd, q_s.down)], timer, compute)
+    dq, dk, dvv = finish_gradients(call, grads, q.dtype)
+    return dq, dk, dvv, call.phase_stats(list(chans), owners, pairs, 0, timer, t_start)

@@ -15,7 +15,7 @@ figure, as it caps those transfers.
 import numpy as np
 from mpi4py import MPI
 
-from ..config import settings
+from .. import config
 from .mpi import MPITransport
 from .watchdog import DEFAULT_TIMEOUT, allgather
 
@@ -38,12 +38,15 @@ def _ring_seconds(comm, transport, dest, source, send, recv, reps):
     return max(allgather(comm, best, transport.timeout, "the allgather of the links' timings"))
 
 
-def link_speeds(comm, nodes, nbytes=4 << 20, reps=3, transport=None, alloc=None, timeout=DEFAULT_TIMEOUT):
+def link_speeds(comm, nodes, nbytes=4 << 20, reps=3, transport=None, alloc=None, timeout=DEFAULT_TIMEOUT,
+                settings=None):
     """(intra, inter) GB/s of ``comm``'s ranks on ``nodes`` (equal nodes of 2+ ranks, two or
     more of them): configured, or measured (collective): by MPI on host buffers, or by
     ``transport`` (over ``comm``) on buffers ``alloc(nbytes)`` makes (the GPU's); every
-    wait has ``transport``'s deadline, or ``timeout`` on host buffers."""
-    cfg = settings()
+    wait has ``transport``'s deadline, or ``timeout`` on host buffers. ``settings``: the
+    caller's ``config.Settings`` (its ``link_gbps`` and ``internode_gbps``), default the
+    environment's."""
+    cfg = config.settings() if settings is None else settings
     if cfg.link_gbps:
         intra, inter = cfg.link_gbps
     else:

@@ -82,11 +82,11 @@ class Nodes:
         return f"Nodes({self.describe()})"
 
 
-def nodes(comm, timeout=DEFAULT_TIMEOUT):
+def nodes(comm, timeout=DEFAULT_TIMEOUT, ranks_per_node=None):
     """The ``Nodes`` of ``comm`` (collective, each step within ``timeout`` seconds):
     ``BURSTMPI_RANKS_PER_NODE`` if set, else the shared-memory split; with every rank's
     processor name."""
-    per_node = settings().ranks_per_node
+    per_node = settings().ranks_per_node if ranks_per_node is None else ranks_per_node
     every = allgather(comm, (per_node, MPI.Get_processor_name()), timeout,
                       "node discovery: the allgather of every rank's host")
     hosts = [host for _, host in every]

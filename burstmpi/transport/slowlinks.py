@@ -31,11 +31,12 @@ __all__ = ["SlowLinksTransport", "refuse_device_arrays"]
 _link_free = [0.0]
 
 
-def refuse_device_arrays(where, nodes):
+def refuse_device_arrays(where, nodes, gbps=None):
     """Raise ValueError (its message starting with ``where``) when the setting is on across
     nodes for GPU arrays: their transfers (NCCL, a CUDA-aware or staged MPI) never pass
-    through these slowed links, so a run would look like a cluster's while it is not."""
-    gbps = settings().internode_gbps
+    through these slowed links, so a run would look like a cluster's while it is not.
+    ``gbps``: the caller's setting, default the environment's."""
+    gbps = settings().internode_gbps if gbps is None else gbps
     if gbps and nodes.count > 1:
         raise ValueError(f"{where}: BURSTMPI_INTERNODE_GBPS (--internode-gbps) slows host transfers between "
                          f"fake nodes, a simulation aid for host arrays; got GPU arrays with it set to {gbps:g}")

@@ -255,7 +255,7 @@ def test_only_rows_other_ranks_see_travel():
     C = 40
     plan, _ = check_against_float64(N=C * NRANKS, C=C, window=(3, 3), layout="contiguous", d=16,
                                     bwd_comm="burst", tag="docs ")
-    rows = plan.geometry.packet_rows("k")
+    rows = plan.last_call.geometry.packet_rows("k")
     assert rows == (0 if NRANKS == 1 else 3 if NRANKS == 2 else 6)
     packet, _ = packet_fields("forward", (1, rows, 4, 2, 16, 16), np.float32, np.float32)
     st = plan.last_stats.forward
@@ -270,7 +270,7 @@ def test_only_rows_other_ranks_see_travel():
     for mode in ("burst", "ring"):
         plan, _ = check_against_float64(N=N, C=C, cu_seqlens=cu, causal=True, layout="contiguous", d=16,
                                         bwd_comm=mode, tag="docs ")
-        geo = plan.geometry
+        geo = plan.last_call.geometry
         if NRANKS > 1:
             assert geo.travelling_rows("k", 0).tolist() == list(range(C - 5, C))  # seen by rank 1
             assert geo.travelling_rows("q", 1).tolist() == list(range(7))         # see rank 0's keys

@@ -63,7 +63,8 @@ def test_empty_cache_and_many_rows_on_emulated_kernels(lib):
 
 
 def test_float64_needs_the_numpy_backend(lib):
-    cache = burstmpi.KVCache(capacity=8, batch=1, kv_heads=2, head_dim=32, dtype=np.float64)
-    cache.runtime.backend = _backend(lib)
-    with pytest.raises(ValueError, match=r"KVCache.decode: dtype: a cache of float64 cannot live on backend .*float64 caches run on backend=.numpy."):
-        cache.decode(*_problem(d=32, dtype=np.float64))
+    """A backend given as an object is where the cache lives from the start: the cache
+    refuses float64 when it is made (a backend chosen by name or "auto" refuses it on
+    the first call that places the cache)."""
+    with pytest.raises(ValueError, match=r"KVCache: dtype: a cache of float64 cannot live on backend .*float64 caches run on backend=.numpy."):
+        burstmpi.KVCache(capacity=8, batch=1, kv_heads=2, head_dim=32, dtype=np.float64, backend=_backend(lib))

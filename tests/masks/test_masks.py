@@ -351,9 +351,8 @@ def _nan_run(backend, dtype, inject, mask, layout="zigzag"):
     for name, row, value in inject:
         {"q": q, "k": k, "v": v}[name][:, row] = value
     sh = lambda x: burstmpi.shard(x, layout=layout)
-    plan = burstmpi.BurstAttention(mask=mask, layout=layout, causal=True, bwd_comm="ring")
-    if backend is not None:
-        plan.backend = backend
+    plan = burstmpi.BurstAttention(mask=mask, layout=layout, causal=True, bwd_comm="ring",
+                                   backend="auto" if backend is None else backend)
     out, lse = plan.forward(sh(q), sh(k), sh(v))
     dq, dk, dv = plan.backward(sh(do), sh(q), sh(k), sh(v), out, lse)
     un = lambda x, axis=1: np.asarray(burstmpi.unshard(x, layout=layout, axis=axis), np.float64)

@@ -165,7 +165,7 @@ def test_head_parallel_on_emulated_kernels(per_node, lib, dtype):
     be = kh.EmulatedBackend(lib)
     plan, _ = check_against_float64(N=7 * NRANKS + 1, Z=2 * u, Zkv=1, d=32, dtype=dtype, causal=True,
                                     layout="zigzag", backend=be, head_parallel=u, tag="kernels heads ")
-    assert plan._heads._inner.backend is be
+    assert plan._groups()._last.backend is be
 
 
 # -- bytes across nodes -----------------------------------------------------------------

@@ -125,19 +125,6 @@ def test_two_level_pairs_its_transfers_as_nccl_does(per_node, mode):
     assert plan.last_stats.transport.count("in-order") == 3 and plan.last_stats.bwd_mode == mode
 
 
-@pytest.mark.timeout(60)
-def test_the_rings_take_another_transport_where_asked(per_node, monkeypatch):
-    """``twolevel.RING_TRANSPORT``: a class put there carries both rings (the partials home
-    stay on the plan's transport); unset, the rings take the plan's kind."""
-    from burstmpi.ring import twolevel
-
-    monkeypatch.setattr(twolevel, "RING_TRANSPORT", InOrderTransport)
-    per_node((SPREAD or SIZES)[0])
-    plan, _ = check_against_float64(N=3 * NRANKS + 1, Z=2, Zkv=1, d=8, causal=True, layout="zigzag",
-                                    topology="two-level", bwd_comm="burst", record=False)
-    assert plan.last_stats.transport.count("in-order") == 2
-
-
 pytest_kernels = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
 
 
@@ -265,7 +252,7 @@ def test_auto_for_gpu_arrays_times_the_plans_own_transport(per_node, monkeypatch
     plan = burstmpi.BurstAttention(topology="auto", causal=True, layout="contiguous")
     plan.forward(q, k, v)  # host arrays: measured by MPI
     assert plan.last_stats.topology == "two-level" and set(plan._links) == {"host"}
-    assert plan._ring_topology("cuda", (1, 16, 4, 2, 16, 16), np.float32) == "two-level"
+    assert plan._ring_topology("cuda", (1, 16, 4, 2, 16, 16), np.float32, 16 * NRANKS) == "two-level"
     assert set(plan._links) == {"host", "cuda"} and 0 < plan._links["cuda"][1] <= 0.05
 
 
@@ -290,7 +277,7 @@ def test_auto_over_head_parallel_groups(per_node, monkeypatch):
 
 def test_bad_link_speeds_name_the_variable(monkeypatch):
     monkeypatch.setenv("BURSTMPI_LINK_GBPS", "8")
-    with pytest.raises(ValueError, match=r"BURSTMPI_LINK_GBPS: expected two positive numbers A,B, got '8'"):
+    with pytest.raises(ValueError, match=r"BURSTMPI_LINK_GBPS: expected two positive numbers \(GB/s inside a node, between nodes\), got '8'"):
         settings()
 
 

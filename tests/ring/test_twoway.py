@@ -87,7 +87,7 @@ def test_symmetric_window_forward_takes_the_two_way_ring():
                                     tag="two-way ")
     st = plan.last_stats
     if NRANKS >= 4:
-        packet, _ = packet_fields("forward", (1, plan.layout.max_count, 4, 2, 32, 32), np.float32, np.float32)
+        packet, _ = packet_fields("forward", (1, plan.last_call.geometry.layout.max_count, 4, 2, 32, 32), np.float32, np.float32)
         assert st.forward.direction == 0
         assert st.forward.bytes_sent <= 2 * nbytes(packet), "one packet up and one down at most"
 
