@@ -17,11 +17,10 @@ reinstall; this is for a checkout that is being edited.
 
 ``first_use(what, modules)`` compiles (or loads) the modules' functions on a first use, one
 rank of a node at a time, and says so on rank 0 when they are not in the cache yet: a new
-install otherwise sat silent for the whole compile (issue 44). Every rank used to compile
-on its own: 4 ranks on 2 cores took 38 s where one compile takes 17.5 s (measured cold with
-an empty ``NUMBA_CACHE_DIR``: the tile loops 9.6 s, the packed path 7.9 s, on a 2-core
-Xeon). Under a file lock in the cache folder the first rank compiles and writes the cache,
-and the others, waiting on the lock, then load it (0.3 s).
+install otherwise sat silent for the whole compile. Ranks compiling each on their own
+share the node's cores and take about twice as long as one compile. Under a file lock in
+the cache folder the first rank compiles and writes the cache, and the others, waiting on
+the lock, then load it.
 """
 
 import contextlib

@@ -2,10 +2,8 @@
 
 MPICH's launcher (hydra) leaves every rank free to run on any core of its node unless
 told ``-bind-to core`` (Open MPI's binds by default). With more ranks than cores the
-kernel then moves ranks between cores as they wake and sleep around their transfers;
-measured on a 2-core VM, 4 ranks, 16K tokens, causal, alternating runs: `vs local` 0.90
-and 0.91 unbound, 0.96 and 0.97 with ``-bind-to core``, the time waited on transfers
-91 and 78 ms against 62 and 21. So ``burstmpi-bench`` does what ``-bind-to core`` does
+kernel then moves ranks between cores as they wake and sleep around their transfers,
+and the ranks wait longer on their transfers and run slower than when bound. So ``burstmpi-bench`` does what ``-bind-to core`` does
 when, and only when, the ranks of a node outnumber its cores and all have the same
 affinity mask (the launcher bound nothing): rank i of the node goes to core i mod cores,
 so ring neighbours sit on different cores. ``--bind none`` leaves placement to the

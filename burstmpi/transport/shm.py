@@ -1,11 +1,10 @@
 """Ring packets read in place by the ranks of one node: no copy per ring step.
 
 Over MPI every ring step copies each packet into the next rank's buffer. On one node that
-copy is MPICH's single-copy path (``process_vm_readv``, ~7 GB/s here for 32 MB), done by
-the receiver inside the ``Testall`` polls between its tiles: 76-85 ms of a 16K-token
-causal forward+backward at 4 ranks on 2 cores, and the tiles computed meanwhile ran 6-9 %
-slower (the copy streams 33 MB through the caches they work in). Yet every rank of a node
-can map every other's memory, so nothing needs to move.
+copy is MPICH's single-copy path (``process_vm_readv``), done by the receiver inside the
+``Testall`` polls between its tiles: it takes time from the tiles and slows the tiles
+computed meanwhile (the copy streams the packet through the caches they work in). Yet
+every rank of a node can map every other's memory, so nothing needs to move.
 
 ``ShmTransport`` puts the ring's buffers in an MPI-3 shared-memory window
 (``MPI_Win_allocate_shared``), and ``ShmChannel`` hands the rank holding a packet at step t

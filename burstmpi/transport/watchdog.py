@@ -159,8 +159,8 @@ def complete(requests, idle=False, timeout=DEFAULT_TIMEOUT, expired=None):
     """Wait for MPI ``requests`` for at most ``timeout`` seconds.
 
     ``idle``: ranks take turns on this node's cores, so the loop sleeps between tests, 20 us
-    at first, doubling up to 1 ms (measured with 4 ranks on 2 cores: a 0.25 s compute beside
-    a rank spinning in MPI_Wait took 0.48 s, 0.26 s beside one sleeping); else it spins as
+    at first, doubling up to 1 ms (a rank spinning in MPI_Wait on a shared core nearly
+    halves the speed of the rank computing beside it); else it spins as
     MPI_Waitall does, giving up the GIL between tests (``sleep(0)``) for the caller's threads.
     ``expired(pending, waited)``, called when the deadline passes with the indices of the
     requests still pending and the seconds waited, describes what was awaited (it calls
