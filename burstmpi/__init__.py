@@ -4,11 +4,11 @@ The sequence is split across the ranks of an MPI communicator; blocks travel aro
 ring while each rank computes its part of exact attention. See README.md.
 """
 
-from .api import attention, attention_backward, shard, shard_indices, unshard
+from .api import attention, attention_backward, release_cached, shard, shard_indices, unshard
 from .decode.cache import DecodeStats, KVCache
 from .plan import BurstAttention, PhaseStats, Stats
 
-__all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices",
+__all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices", "release_cached",
            "BurstAttention", "KVCache", "DecodeStats", "PhaseStats", "Stats", "__version__"]
 
 __version__ = "0.1.0"

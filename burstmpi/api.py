@@ -1,18 +1,20 @@
 """The functional API: ``attention``, ``attention_backward``, ``shard``, ``unshard``,
-``shard_indices``."""
+``shard_indices``, and ``release_cached`` for the plans the first two keep
+(``burstmpi.plan_cache``)."""
 
 import numpy as np
 from mpi4py import MPI
 
 from .interop import like, to_host
 from .masks.layout import LAYOUTS, layout_of
-from .plan import BurstAttention
+from . import plan_cache
 from .config import settings
+from .plan_cache import release_cached
 from .transport.comm import private_comm
 from .transport.watchdog import check_timeout, collective
 from .validate import agree, check_cu_seqlens, fingerprint, global_layout
 
-__all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices"]
+__all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices", "release_cached"]
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None,
@@ -74,12 +76,20 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     out : array (batch, seqlen_local, heads, head_dim_v), the dtype and kind of ``q``.
     lse : array (batch, heads, seqlen_local), float32 (float64 for float64 inputs);
         only with ``return_lse``. Rows that see no key give ``out = 0`` and ``lse = -inf``.
+
+    Notes
+    -----
+    The call runs on a ``BurstAttention`` plan kept for ``comm`` and the arguments that
+    shape it (all but the arrays and ``cu_seqlens``), shared with ``attention_backward``:
+    only a communicator's first call with them pays the set-up collectives, and the ring
+    buffers and the CPU backend's working arrays are reused. At most 8 plans per
+    communicator and about 1 GiB of their memory are kept (``burstmpi.plan_cache``);
+    ``burstmpi.release_cached()`` frees them. The arrays returned are the caller's: later
+    calls never write into them.
     """
-    plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout, mask=mask, head_parallel=head_parallel, topology=topology,
-                          timeout=timeout)
-    plan.caller = "attention"
-    out, lse = plan.forward(q, k, v, cu_seqlens=cu_seqlens)
+    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm="auto",
+                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
+    out, lse = plan_cache.run("attention", comm, options, lambda plan: plan.forward(q, k, v, cu_seqlens=cu_seqlens))
     return (out, lse) if return_lse else out
 
 
@@ -100,12 +110,14 @@ def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, wind
     this deadline; on expiry the job is aborted with exit code 75 and a
     ``burstmpi watchdog:`` line naming who it waited for; see
     ``docs/guide/configuration.md``.
+
+    Runs on the plan kept for ``comm`` and the same arguments: the one ``attention`` used
+    where ``bwd_comm`` is "auto" (the default); ``burstmpi.release_cached()`` frees it.
     """
-    plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                          layout=layout, bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel,
-                          topology=topology, timeout=timeout)
-    plan.caller = "attention_backward"
-    return plan.backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens)
+    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
+                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
+    return plan_cache.run("attention_backward", comm, options,
+                          lambda plan: plan.backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens))
 
 
 def _comm(comm):

@@ -122,8 +122,11 @@ class Runtime:
         # The slowed links' setting picks the host transport and is refused with GPU arrays:
         # agreed on here for every caller (a plan, a KV cache). First of the call's
         # collectives, so a rank that did not make the call is named (``validate.agree``).
-        agree(self.comm, fn, None, [("runs on", kind), ("BURSTMPI_INTERNODE_GBPS", self.settings.internode_gbps)]
-              + list(options), timeout=self.timeout)
+        # Its signature starts as the plan's per-call one (``BurstAttention._prepare``), so a
+        # rank whose call skips this (a plan it already used, from the functional API's
+        # cache) beside one that makes it is told which argument differs, not "nranks".
+        agree(self.comm, fn, None, [("nranks", self.nranks), ("runs on", kind)] + list(options)
+              + [("BURSTMPI_INTERNODE_GBPS", self.settings.internode_gbps)], timeout=self.timeout)
         if self.nodes is None:  # every rank's first call: collective
             self.nodes = nodes(self.comm, self.timeout, self.settings.ranks_per_node)
             watchdog.learn_hosts(self.comm, self.nodes.hosts)

@@ -22,8 +22,8 @@ from conftest import MULTIRANK, NRANKS
 
 HERE = Path(__file__).resolve().parent
 SUITE = ["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_interop.py",
-         "api/test_layout_required.py", "api/test_timeout_keyword.py",
-         "ring/test_twoway.py", "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py",
+         "api/test_layout_required.py", "api/test_timeout_keyword.py", "api/test_plan_cache.py",
+         "ring/test_call_context.py", "ring/test_twoway.py", "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py",
          "ring/test_twolevel.py", "masks/test_masks.py", "transport/test_shm.py",
          "backends/test_kernel_backend.py", "backends/test_cpu_kernels.py", "backends/test_cpu_packed.py",
          "backends/test_tile_runs.py",
@@ -40,7 +40,7 @@ RANKS = [2, 3, 4, 8]
 # fakes, the decode kernels) run at 1 to 4. 5 ranks ran the suite without the emulator
 # until 2026-12-03: 3 is the odd count now.
 AT_8 = (["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_layout_required.py",
-         "ring/test_twoway.py",
+         "api/test_plan_cache.py", "ring/test_call_context.py", "ring/test_twoway.py",
          "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py", "ring/test_twolevel.py",
          "masks/test_masks.py", "transport/test_shm.py", "decode/test_decode.py", "backends/test_cpu_packed.py"],
         "not emulated and not bitmap")

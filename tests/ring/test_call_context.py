@@ -54,7 +54,7 @@ def _paths():
 @pytest.mark.parametrize("name,opts,per_node", list(_paths()), ids=[p[0] for p in _paths()])
 def test_nothing_below_the_plan_reads_it(name, opts, per_node):
     Watched.touched.clear()
-    q, k, v, do = ref.random_problem(1, 5 * NRANKS + 1, 6 if GROUP == 3 else 4, 2, 8, seed=1)
+    q, k, v, do = ref.random_problem(1, 5 * NRANKS + 1, 6 if GROUP == 3 else 4, GROUP or 2, 8, seed=1)
     sh = lambda x: burstmpi.shard(x, layout=opts["layout"])
     plan = Watched(ranks_per_node=per_node, **opts)
     out, lse = plan.forward(sh(q), sh(k), sh(v))
@@ -83,13 +83,13 @@ def test_release_frees_the_two_level_rings_buffers():
 
 @pytest.mark.skipif(GROUP is None, reason="head parallelism needs 2+ MPI ranks (run under mpiexec)")
 def test_release_frees_the_ring_of_groups_buffers():
-    q, k, v, _ = ref.random_problem(1, 4 * NRANKS, 2 * GROUP, 2, 8, seed=2)
+    q, k, v, _ = ref.random_problem(1, 4 * NRANKS, 2 * GROUP, GROUP, 8, seed=2)
     sh = lambda x: burstmpi.shard(x, layout="zigzag")
     plan = burstmpi.BurstAttention(head_parallel=GROUP, causal=True, layout="zigzag", ranks_per_node=GROUP,
                                    transport="mpi")
     plan.forward(sh(q), sh(k), sh(v))
     before = plan.buffer_bytes
-    assert before > 0 and plan.last_stats.buffer_bytes == before
+    assert plan.last_stats.buffer_bytes == before > (0 if NRANKS > GROUP else -1)  # one group: no ring
     plan.release()
     assert plan.buffer_bytes == 0
 
@@ -98,7 +98,7 @@ pytest_kernels = pytest.mark.skipif(not kh.available(), reason="no C++ compiler 
 
 
 @pytest_kernels
-def test_host_then_gpu_arrays_do_not_share_the_rings(monkeypatch):
+def test_host_then_emulated_gpu_arrays_do_not_share_the_rings(monkeypatch):
     """One plan called with host arrays, then with arrays on the (emulated) GPU: the second
     call gets rings and buffers of its own, keyed by the arrays' kind, and the first's stay
     the host's; both give the float64 reference's answer."""
