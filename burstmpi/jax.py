@@ -32,10 +32,9 @@ except ImportError as e:  # pragma: no cover - the message is the point
 import warnings
 
 import numpy as np
-from mpi4py import MPI
 
-from .plan import BurstAttention
-from .validate import check_cu_seqlens, check_mask, fingerprint
+from . import plan_cache
+from .validate import check_cu_seqlens, fingerprint
 
 __all__ = ["attention"]
 
@@ -103,19 +102,18 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     300): every wait on other ranks has this deadline; on expiry the job is aborted with
     exit code 75 and a ``burstmpi watchdog:`` line naming who it waited for; see
     ``docs/guide/configuration.md``."""
-    comm = MPI.COMM_WORLD if comm is None else comm
     cu = check_cu_seqlens("burstmpi.jax.attention", cu_seqlens)
-    check_mask("burstmpi.jax.attention", mask)  # before it is hashed into the key
-    key = (comm.py2f(), bool(causal), None if window is None else tuple(window), softmax_scale, layout,
-           bwd_comm, fingerprint(cu), mask, head_parallel, topology, timeout)
+    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
+                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout, backend="numpy")
+    # The plan is the functional API's cache's (``burstmpi.plan_cache``: per communicator,
+    # dropped with it); the traced function is kept per plan and documents (a function
+    # holds its plan, so the plan's id is not reused while the entry lives).
+    plan = plan_cache.run("burstmpi.jax.attention", comm, options, lambda plan: plan)
+    key = (id(plan), fingerprint(cu))
     fn = _FUNCS.get(key)
     if fn is None:
         if len(_FUNCS) >= _KEPT:
             _FUNCS.pop(next(iter(_FUNCS)))
-        plan = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
-                              bwd_comm=bwd_comm, backend="numpy", mask=mask, head_parallel=head_parallel,
-                              topology=topology, timeout=timeout)
-        plan.caller = "burstmpi.jax.attention"
         fn = _FUNCS[key] = _build(plan, cu)
     if not _warned and any(_on_gpu(x) for x in (q, k, v)):
         _warned.append(True)

@@ -56,8 +56,9 @@ __all__ = ["MAX_PLANS", "MAX_BYTES", "CacheStats", "run", "release_cached", "sta
 MAX_PLANS = 8          # plans kept per communicator
 MAX_BYTES = 1 << 30    # bytes of buffers and working arrays kept per communicator (see above)
 
-# The constructor's arguments that the functional API never changes: part of every key, so
-# that a default changed here would not hand out plans made with the old one.
+# The constructor's arguments that the functional API never changes (an adapter may: the
+# JAX one runs on the host backend): part of every key, so that a default changed here
+# would not hand out plans made with the old one.
 _FIXED = (("backend", "auto"), ("transport", "auto"), ("device", None))
 
 _KEYVAL = None
@@ -198,7 +199,7 @@ def _key(options):
         key = (tuple((name, value) for name, value in options.items() if name not in ("mask", "window", "causal"))
                + (("causal", bool(options["causal"])), ("window", window),
                   ("mask", None if mask is None else (type(mask).__qualname__, mask.digest())))
-               + _FIXED + (("environment", _environment()),))
+               + tuple((n, v) for n, v in _FIXED if n not in options) + (("environment", _environment()),))
         hash(key)
     except TypeError:
         return None

@@ -24,33 +24,17 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("burstmpi.torch needs PyTorch (pip install torch); `import burstmpi` alone "
                       "does not") from e
 
-from mpi4py import MPI
 
-from .plan import BurstAttention
-from .validate import check_mask
+from . import plan_cache
 
 __all__ = ["attention"]
 
-_PLANS = {}
-_PLANS_KEPT = 16
-
-
 def _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout):
-    """The plan for these options, kept so its ring buffers are reused from step to step."""
-    comm = MPI.COMM_WORLD if comm is None else comm
-    handle = comm.py2f() if isinstance(comm, MPI.Comm) else id(comm)
-    check_mask("burstmpi.torch.attention", mask)  # before it is hashed into the key
-    key = (handle, bool(causal), None if window is None else tuple(window), softmax_scale, layout, bwd_comm, mask,
-           head_parallel, topology, timeout)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_KEPT:
-            _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = BurstAttention(comm, causal=causal, window=window, softmax_scale=softmax_scale,
-                                            layout=layout, bwd_comm=bwd_comm, mask=mask,
-                                            head_parallel=head_parallel, topology=topology, timeout=timeout)
-        plan.caller = "burstmpi.torch.attention"
-    return plan
+    """The plan for these options, kept by the functional API's cache (``burstmpi.plan_cache``:
+    per communicator, dropped with it) so its ring buffers are reused from step to step."""
+    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
+                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
+    return plan_cache.run("burstmpi.torch.attention", comm, options, lambda plan: plan)
 
 
 def _stream(t):
