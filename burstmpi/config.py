@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["Field", "FIELDS", "Settings", "settings"]
+__all__ = ["Field", "FIELDS", "Settings", "settings", "backend_name"]
 
 
 class Field(NamedTuple):
@@ -29,7 +29,7 @@ class Field(NamedTuple):
 
 
 FIELDS = (
-    Field("backend", "BURSTMPI_BACKEND", "backend", "auto", "choice", ("auto", "numpy", "cuda")),
+    Field("backend", "BURSTMPI_BACKEND", "backend", "auto", "choice", ("auto", "cpu", "cuda")),
     Field("tile_q", "BURSTMPI_TILE_Q", "tile_q", 512, "int", 1),
     Field("tile_k", "BURSTMPI_TILE_K", "tile_k", 512, "int", 1),
     Field("cpu_kernels", "BURSTMPI_CPU_KERNELS", "cpu_kernels", "auto", "choice", ("auto", "numba", "numpy")),
@@ -92,6 +92,16 @@ def settings():
     return Settings.from_env()
 
 
+def backend_name(value, where):
+    """``value``, with the CPU backend's old name "numpy" taken as "cpu" and a warning
+    naming ``where`` (the keyword or variable that said it)."""
+    if value == "numpy":
+        warnings.warn(f"{where}: 'numpy' is the CPU backend's old name; say 'cpu' (it runs numba's compiled "
+                      "tiles over BLAS, or NumPy where numba is missing)", FutureWarning, stacklevel=5)
+        return "cpu"
+    return value
+
+
 def _from_env(f):
     raw = os.environ.get(f.variable, "")
     if f.name == "timeout" and not raw and os.environ.get("BURSTMPI_NCCL_TIMEOUT"):
@@ -107,6 +117,8 @@ def _check(f, value, where, text=False):
     """``value`` (a keyword's, or an environment variable's ``text``) as setting ``f``
     expects it, or ValueError/TypeError saying ``where``, what it expected and what it got."""
     got = repr(value)
+    if f.name == "backend":
+        value = backend_name(value, where)
     if f.kind == "choice":
         if value not in f.spec:
             raise ValueError(f"{where}: expected one of {list(f.spec)}, got {got}")

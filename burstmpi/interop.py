@@ -39,7 +39,7 @@ def to_host(x, name, fn):
         raise TypeError(f"{fn}: {name}: expected an array (NumPy, or any object with __dlpack__), "
                         f"got {type(x).__name__}")
     if not is_host(x):
-        raise TypeError(f"{fn}: {name}: expected host (CPU) memory for backend 'numpy', got an "
+        raise TypeError(f"{fn}: {name}: expected host (CPU) memory for backend 'cpu', got an "
                         f"array on DLPack device {x.__dlpack_device__()}")
     if _is_torch(x):
         import torch

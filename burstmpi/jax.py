@@ -104,7 +104,7 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     ``docs/guide/configuration.md``."""
     cu = check_cu_seqlens("burstmpi.jax.attention", cu_seqlens)
     options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
-                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout, backend="numpy")
+                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout, backend="cpu")
     # The plan is the functional API's cache's (``burstmpi.plan_cache``: per communicator,
     # dropped with it); the traced function is kept per plan and documents (a function
     # holds its plan, so the plan's id is not reused while the entry lives).

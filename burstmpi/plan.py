@@ -44,7 +44,7 @@ class Stats:
     backward: Optional[PhaseStats] = None
     bwd_mode: Optional[str] = None
     topology: str = "flat"
-    backend: str = "numpy"
+    backend: str = "cpu"
     transport: str = "mpi"
     buffer_bytes: int = 0
 
@@ -100,9 +100,11 @@ class BurstAttention:
         through memory, it takes the other one-way mode when that leaves the busiest rank at
         least 2 % fewer pairs). The forward takes the two-way ring by itself
         whenever it moves fewer bytes (``last_stats.forward.direction`` is then 0).
-    backend : {"auto", "numpy", "cuda"}
+    backend : {"auto", "cpu", "cuda"}
         "auto" follows the arrays' device: GPU arrays (CuPy, or any DLPack producer on a
-        CUDA device) run on burstmpi's CUDA kernels, host arrays on NumPy. "cuda" with
+        CUDA device) run on burstmpi's CUDA kernels, host arrays on the CPU backend
+        (numba's compiled tiles over BLAS; NumPy where numba is missing). "numpy", its
+        old name, is taken as "cpu" with a FutureWarning. "cuda" with
         host arrays copies them to the GPU and returns host arrays.
     transport : {"auto", "nccl", "mpi", "shm"}
         How ring buffers travel. GPU arrays: NCCL (one GPU per rank; bootstrapped over
@@ -398,7 +400,7 @@ class BurstAttention:
         cost = call.backward_costs(dims, dtype, self.nranks >= 3 and getattr(self.backend, "split_backward_free",
                                                                              False))
         best = min(cost, key=lambda m: cost[m])  # dicts keep order: ties go to burst, ring
-        one_node = self.runtime.nodes.count == 1 and self.backend.name == "numpy"
+        one_node = self.runtime.nodes.count == 1 and self.backend.name == "cpu"
         return self._balanced(call.geometry, best) if best != "two-way" and one_node else best
 
     def _balanced(self, geo, fewest_bytes):

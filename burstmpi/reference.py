@@ -15,11 +15,11 @@ from .masks.intervals import Bounds
 __all__ = ["visible", "forward", "backward", "rows", "key_rows", "random_problem", "ATOL",
            "flash_attn_rule"]
 
-# Slack on top of flash-attn's rule (our error <= 2 x a plain same-dtype implementation's
-# error, both against float64), as a few units in the last place of the dtype at the
-# reference's largest magnitude. It matters for float32/float64, where the plain error can
-# be tiny: our backward rebuilds P from the stored lse (as flash-attn does), and lse's own
-# rounding then shows up in sums like dv of an early key under a causal mask.
+#: Slack on top of flash-attn's rule (our error <= 2 x a plain same-dtype implementation's
+#: error, both against float64), per dtype: a few units in the last place of the dtype at
+#: the reference's largest magnitude. It matters for float32/float64, where the plain error
+#: can be tiny: our backward rebuilds P from the stored lse (as flash-attn does), and lse's
+#: own rounding then shows up in sums like dv of an early key under a causal mask.
 ATOL = {"float64": 1e-13, "float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-3}
 
 

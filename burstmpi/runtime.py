@@ -16,9 +16,9 @@ without CuPy or without a GPU makes every rank raise instead of leaving the othe
 import numpy as np
 from mpi4py import MPI
 
-from .backends import NumpyBackend
+from .backends import CpuBackend
 from .backends.cupy_backend import CupyBackend
-from .backends.threads import node_masks, shares_cores, threads_per_rank
+from .backends.cpu.threads import node_masks, shares_cores, threads_per_rank
 from .config import Settings
 from .gpu.device import import_cupy, node_rank, pick_device
 from .interop import cupyx_pinned, is_host, to_device, to_host
@@ -33,7 +33,7 @@ from .validate import agree
 
 __all__ = ["Runtime", "kernel_ready"]
 
-BACKENDS = ("auto", "numpy", "cuda")
+BACKENDS = ("auto", "cpu", "cuda", "numpy")  # "numpy": the CPU backend's old name (a warning)
 TRANSPORTS = ("auto", "nccl", "mpi", "shm")
 
 
@@ -62,15 +62,15 @@ class Runtime:
         made = callable(transport)  # a transport factory (dependency injection)
         injected = None if isinstance(backend, str) else backend  # a backend object (dependency injection)
         if injected is None and backend not in BACKENDS:
-            raise ValueError(f"{fn}: backend: expected 'auto', 'numpy' or 'cuda', got {backend!r}")
+            raise ValueError(f"{fn}: backend: expected 'auto', 'cpu' or 'cuda', got {backend!r}")
         if injected is not None and not isinstance(getattr(backend, "name", None), str):
-            raise TypeError(f"{fn}: backend: expected 'auto', 'numpy', 'cuda' or a backend object, got {backend!r}")
+            raise TypeError(f"{fn}: backend: expected 'auto', 'cpu', 'cuda' or a backend object, got {backend!r}")
         if not made and transport not in TRANSPORTS:
             raise ValueError(f"{fn}: transport: expected 'auto', 'nccl', 'mpi' or 'shm', got {transport!r}")
         # ``backend="auto"`` leaves the choice to BURSTMPI_BACKEND (itself "auto" by default).
         cfg = Settings.resolve(fn, backend=backend if injected is None and backend != "auto" else None, **keywords)
-        if transport == "nccl" and cfg.backend == "numpy":
-            raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='numpy' needs 'auto', 'mpi' or 'shm'")
+        if transport == "nccl" and cfg.backend == "cpu":
+            raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='cpu' needs 'auto', 'mpi' or 'shm'")
         if transport == "shm" and cfg.backend == "cuda":
             raise ValueError(f"{fn}: transport: 'shm' shares host buffers; backend='cuda' needs 'auto', 'nccl' or 'mpi'")
         self.user_comm = MPI.COMM_WORLD if comm is None else comm
@@ -107,7 +107,7 @@ class Runtime:
             return self.injected.name
         if self.backend_name != "auto":
             return self.backend_name
-        return "numpy" if all(is_host(a) for a in arrays.values()) else "cuda"
+        return "cpu" if all(is_host(a) for a in arrays.values()) else "cuda"
 
     def begin(self, fn, kind, options):
         """Be ready to run on ``kind`` (collective when that changes: a first call, or a
@@ -152,7 +152,7 @@ class Runtime:
             error, backend = None, None
             cfg = self.settings
             try:  # BURSTMPI_CPU_KERNELS=numba without numba: every rank raises
-                backend = NumpyBackend(*self.tiles, threads=threads, kernels=cfg.cpu_kernels, gemm=cfg.cpu_gemm)
+                backend = CpuBackend(*self.tiles, threads=threads, kernels=cfg.cpu_kernels, gemm=cfg.cpu_gemm)
             except RuntimeError as e:
                 error = e
             agree(self.comm, fn, error, [], timeout=self.timeout)

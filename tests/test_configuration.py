@@ -85,3 +85,14 @@ def test_the_environment_alone_and_keywords_resolve_alike(monkeypatch):
     assert Settings.resolve("f", link_gbps=(10, 1.5), check=False) == env
     with pytest.raises(TypeError, match="f: unexpected setting 'blas'"):
         Settings.resolve("f", blas="mkl")  # per process: the environment only
+
+
+def test_numpy_is_the_cpu_backends_old_name(monkeypatch):
+    with pytest.warns(FutureWarning, match=r"BurstAttention: backend: 'numpy' is the CPU backend's old name; say 'cpu'"):
+        plan = burstmpi.BurstAttention(backend="numpy")
+    assert plan.settings.backend == "cpu"
+    monkeypatch.setenv("BURSTMPI_BACKEND", "numpy")
+    with pytest.warns(FutureWarning, match="environment variable BURSTMPI_BACKEND: 'numpy'"):
+        assert Settings.from_env().backend == "cpu"
+    with pytest.raises(ValueError, match=r"^BurstAttention: backend: expected 'auto', 'cpu' or 'cuda', got 'gpu'$"):
+        burstmpi.BurstAttention(backend="gpu")

@@ -143,7 +143,7 @@ def test_exception_on_one_rank_ends_the_job(where):
         import numpy as np
         from mpi4py import MPI
         import burstmpi
-        from burstmpi.backends import NumpyBackend
+        from burstmpi.backends import CpuBackend
         rank = MPI.COMM_WORLD.Get_rank()
         q = np.zeros((1, 64, 2, 16), np.float32)
         if rank == 1:
@@ -151,7 +151,7 @@ def test_exception_on_one_rank_ends_the_job(where):
                 raise RuntimeError("boom on rank 1")
             def fail(*a, **k):
                 raise RuntimeError("boom on rank 1")
-            NumpyBackend.fwd_block = fail
+            CpuBackend.fwd_block = fail
         for _ in range(1000):
             burstmpi.attention(q, q, q)
     """)
@@ -195,14 +195,14 @@ def test_device_error_on_one_rank_aborts_the_job_with_its_rank():
         import numpy as np
         from mpi4py import MPI
         import burstmpi
-        from burstmpi.backends import NumpyBackend
+        from burstmpi.backends import CpuBackend
         class CUDARuntimeError(RuntimeError):
             pass
         CUDARuntimeError.__module__ = "cupy_backends.cuda.api.runtime"
         if MPI.COMM_WORLD.Get_rank() == 1:
             def fail(*a, **k):
                 raise CUDARuntimeError("cudaErrorIllegalAddress: an illegal memory access")
-            NumpyBackend.fwd_block = fail
+            CpuBackend.fwd_block = fail
         q = np.zeros((1, 64, 2, 16), np.float32)
         for _ in range(1000):
             burstmpi.attention(q, q, q)

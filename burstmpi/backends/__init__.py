@@ -7,15 +7,13 @@ scale=None)`` (an accumulator the ring is done with, times ``scale``, into a res
 caller's layout), and that of a decode (``burstmpi.decode.cache``): ``decode`` (new queries over a
 cache shard, a normalised partial) and ``combine`` (partials merged in a fixed order). The
 ring algorithm in ``burstmpi.ring.flat`` and the cache are written once against this interface.
-``NumpyBackend`` computes on the CPU: its tile loops compiled with numba (``cpu_tiles``:
-BLAS's sgemm bound in ``cpu_blas``, fused elementwise kernels in ``cpu_kernels``) or in
-NumPy (``tile_ops``), on the rank's threads (``threads``); ``KernelBackend`` launches
-burstmpi's CUDA kernels (``cuda/``).
+``CpuBackend`` (``cpu/``) computes on the CPU: its tile loops compiled with numba, or in
+NumPy where numba is missing, on the rank's threads; ``KernelBackend`` launches burstmpi's
+CUDA kernels (``gpu/``). ``jit_cache`` keeps numba's disk cache in step with the sources.
 """
 
+from .cpu import CpuBackend
 from .cupy_backend import CupyBackend
 from .kernel_backend import KernelBackend
-from .numpy_backend import NumpyBackend
 
-__all__ = ["NumpyBackend", "KernelBackend", "CupyBackend"]
-
+__all__ = ["CpuBackend", "KernelBackend", "CupyBackend"]

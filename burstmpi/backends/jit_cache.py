@@ -1,8 +1,8 @@
 """numba's disk cache, keyed on every source a compiled function is built from.
 
 numba keys a cached function on its own file alone (that file's modification time and
-size). The tile loops compile in code from other files: ``cpu_tiles`` and ``cpu_packed``
-inline ``cpu_kernels``' sweeps, ``cpu_packed`` ``cpu_micro``'s micro-kernel. After an edit
+size). The tile loops compile in code from other files: ``cpu.tiles`` and ``cpu.packed``
+inline ``cpu.kernels``' sweeps, ``cpu.packed`` ``cpu.micro``'s micro-kernel. After an edit
 to one of those, the loops would load their old machine code from the cache and run it, a
 silently different kernel (a two-file package shows it: the caller kept returning the
 callee's old value).

@@ -88,8 +88,9 @@ def _topologies(value):
 @click.option("--bind", default="auto", show_default=True, type=click.Choice(["auto", "none"]),
               help="auto: when a node's ranks outnumber its cores and the launcher left them unbound, pin "
                    "rank i of the node to core i mod cores (as mpiexec -bind-to core); none: as launched.")
-@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "numpy", "cuda"]),
-              help="Where the arrays live: auto = the GPU when every rank has one, else the host.")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda", "numpy"]),
+              help="Where the arrays live: auto = the GPU when every rank has one, else the host (cpu; "
+                   "numpy is its old name).")
 @click.option("--transport", default="auto", show_default=True, type=click.Choice(["auto", "nccl", "mpi", "shm"]),
               help="Ring transport (see BurstAttention): GPU arrays nccl or mpi, host arrays shm (read in "
                    "place, ranks on one node) or mpi (copied); auto picks.")

@@ -247,7 +247,7 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     here when None) checks the row's memory first: raises ``memory.Refused`` when the row
     does not fit, skips the baselines that do not. ``timeout``: every plan's (``--timeout``;
     None: ``BURSTMPI_TIMEOUT``)."""
-    dev = Device("numpy") if dev is None else dev
+    dev = Device("cpu") if dev is None else dev
     budget = Budget(comm) if budget is None else budget
     P, rank = comm.Get_size(), comm.Get_rank()
     B, N, Z, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"]
@@ -430,7 +430,7 @@ def main(comm, ctx, o):
                   timeout=o["timeout"])
     dev = resolve_device(comm, o["backend"])
     if o["trace_memory"] and dev.backend == "cuda":
-        raise click.UsageError("--trace-memory traces NumPy allocations; use --backend numpy")
+        raise click.UsageError("--trace-memory traces NumPy allocations; use --backend cpu")
     transport = o["transport"]
     if dev.backend == "cuda" and transport == "shm":
         raise click.UsageError("--transport shm shares host buffers; GPU arrays take auto, nccl or mpi")

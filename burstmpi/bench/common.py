@@ -32,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__
-from ..backends.threads import cores, node_masks, shares_cores
+from ..backends.cpu.threads import cores, node_masks, shares_cores
 from ..config import settings
 from ..interop import bfloat16
 from ..sizes import parse_bytes, parse_size
@@ -131,12 +131,12 @@ def blas_threads(comm):
 
 
 def _cpu_ops():
-    """The CPU backend's tile loops as configured (``tile_ops`` or ``cpu_tiles``) and its
-    packed path (``cpu_packed`` or None), or why they are unavailable (a string)."""
-    from ..backends.numpy_backend import NumpyBackend
+    """The CPU backend's tile loops as configured (``cpu.numpy_tiles`` or ``cpu.tiles``) and its
+    packed path (``cpu.packed`` or None), or why they are unavailable (a string)."""
+    from ..backends.cpu import CpuBackend
 
     try:
-        backend = NumpyBackend(kernels=settings().cpu_kernels, gemm=settings().cpu_gemm)
+        backend = CpuBackend(kernels=settings().cpu_kernels, gemm=settings().cpu_gemm)
     except RuntimeError as e:
         return str(e)
     return backend.ops, backend.packed
@@ -145,7 +145,7 @@ def _cpu_ops():
 def cpu_kernels_line(comm):
     """The CPU backend's tile loops (compiled, and over which sgemm, or NumPy's), its threads
     per rank, and what their first use cost (compiling, or loading from numba's disk cache)."""
-    from ..backends.threads import threads_per_rank
+    from ..backends.cpu.threads import threads_per_rank
 
     with guard(comm, "the split of the ranks by node (tile threads)"):
         threads = threads_per_rank(comm, settings().threads)
@@ -255,7 +255,7 @@ def backend_line(comm, dev, transport="auto"):
         return "cpu (unavailable: see the CPU kernels line)"
     if not hasattr(ops[0], "describe"):
         return "cpu (NumPy tile loops over NumPy's BLAS)"
-    from ..backends import cpu_blas
+    from ..backends.cpu import blas as cpu_blas
 
     packed = "burstmpi's packed micro-kernel and " if ops[1] is not None else ""
     return f"cpu (numba tiles over {packed}{cpu_blas.short_name()} sgemm)"
@@ -278,7 +278,7 @@ def legend(columns, definitions):
 def reads_in_place(comm, dev, budget, transport="auto"):
     """Will the ring's host packets live in a shared window (``burstmpi.transport.shm``), as the
     runtime's ``transport="auto"`` (or ``"shm"``) picks: host arrays, ranks all on one node?"""
-    return dev.backend == "numpy" and comm.Get_size() > 1 and transport in ("auto", "shm") \
+    return dev.backend == "cpu" and comm.Get_size() > 1 and transport in ("auto", "shm") \
         and budget.node_size == comm.Get_size()
 
 
@@ -306,7 +306,7 @@ def resolve_device(comm, backend):
     everyone = comm.allreduce(cupy is not None, op=MPI.LAND)
     if backend == "cuda" and not everyone:
         raise click.UsageError("--backend cuda: some rank has no usable GPU")
-    return Device("cuda", cupy) if everyone else Device("numpy")
+    return Device("cuda", cupy) if everyone else Device("cpu")
 
 
 def timed(comm, fn, dev=None):
@@ -433,7 +433,7 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {backend_line(comm, dev, transport)}, {P} rank(s), "
               f"{MPI.Get_library_version().splitlines()[0].strip()}",
         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
-        *placed, *([cpu_kernels_line(comm)] if dev.backend == "numpy" else []), cpu_line(),
+        *placed, *([cpu_kernels_line(comm)] if dev.backend == "cpu" else []), cpu_line(),
         f"#  Nodes: {where.describe()} ({how})",
         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
           if who else []),

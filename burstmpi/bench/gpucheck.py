@@ -6,10 +6,10 @@
 1. probe   cuda/probe.cu's fragment GEMMs (ldmatrix, mma.sync, the C-to-A reuse) against
            NumPy, for float16, bfloat16 and float32: the PTX layouts the emulator assumes.
 2. kernels one rank, ``BurstAttention(backend="cuda")`` on CuPy arrays against float64
-           (flash-attn's rule) and against the NumPy backend: forward and backward, three
+           (flash-attn's rule) and against the CPU backend: forward and backward, three
            dtypes, head dims 64 and 128, no mask / causal / sliding window, GQA.
 3. decode  ``KVCache(backend="cuda")``: prefill, then decode steps (the split-KV kernel and
-           the combine of cuda/attn_decode.cu) against float64 and the NumPy backend, three
+           the combine of cuda/attn_decode.cu) against float64 and the CPU backend, three
            dtypes, T = 1 and 4, GQA and MQA, a window; under ``ranks`` also at 2-4 ranks.
 4. interop torch CUDA tensors in, torch CUDA tensors out, zero-copy (if torch has CUDA).
 5. ranks   ``mpiexec -n 2, 3, 4`` on this one GPU through the MPI transport (NCCL refuses
@@ -110,7 +110,7 @@ def check_one_rank(cupy, rep, quick):
                 q, k, v, do = _problem(1, 777, 8, 2, d, dtype, seed=d)
                 opts = dict(causal=causal, window=window)
                 gpu = BurstAttention(comm, backend="cuda", **opts)
-                host = BurstAttention(comm, backend="numpy", **opts)
+                host = BurstAttention(comm, backend="cpu", **opts)
                 gq, gk, gv, gdo = (cupy.asarray(x) for x in (q, k, v, do))
                 t0 = time.perf_counter()
                 out, lse = gpu.forward(gq, gk, gv, cu_seqlens=cu)
@@ -142,7 +142,7 @@ def _decode_run(cache, q, k, v, N0, T, put):
 
 
 def check_decode(cupy, rep, quick):
-    """KVCache on the GPU against float64 (flash-attn's rule) and the NumPy backend."""
+    """KVCache on the GPU against float64 (flash-attn's rule) and the CPU backend."""
     cases = [(1, None, 2), (4, None, 8), (1, (300, 0), 1)][:2 if quick else 3]
     for dtype in DTYPES:
         for T, window, Zkv in cases:
@@ -153,7 +153,7 @@ def check_decode(cupy, rep, quick):
             t0 = time.perf_counter()
             ours = _decode_run(KVCache(MPI.COMM_SELF, backend="cuda", **opts), q, k, v, N0, T, cupy.asarray)
             secs = time.perf_counter() - t0
-            host = _decode_run(KVCache(MPI.COMM_SELF, backend="numpy", **opts), q, k, v, N0, T, lambda x: x)
+            host = _decode_run(KVCache(MPI.COMM_SELF, backend="cpu", **opts), q, k, v, N0, T, lambda x: x)
             exact, _ = ref.forward(q, k, v, causal=True, window=window)
             plain, _ = ref.forward(q, k, v, causal=True, window=window, precision="plain")
             ok, err = _within(ours[:, N0:], exact[:, N0:], plain[:, N0:], dtype)

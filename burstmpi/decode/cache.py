@@ -117,14 +117,14 @@ class KVCache(SlotStore, Exchange):
         With a window: keep the first ``sinks`` tokens for the life of the cache; every
         query sees them and its window (StreamingLLM's attention sinks). Count them in
         ``capacity``: ``sinks + left + T`` serves calls of T tokens forever.
-    dtype : float16, bfloat16, float32 or float64 (NumPy backend only), or its name
+    dtype : float16, bfloat16, float32 or float64 (CPU backend only), or its name
         The dtype of the cache and of every q, k, v passed to it.
     softmax_scale : float, optional
         Default ``1 / sqrt(head_dim)``; the prefill's and every decode's.
     window : (left, right), optional
         flash-attn's sliding window, causal: ``right`` must be 0 or -1. The query at
         position i sees positions ``i - left .. i`` (``left = -1``: all earlier ones).
-    backend : {"auto", "numpy", "cuda"}
+    backend : {"auto", "cpu", "cuda"}
         Where the cache lives. "auto" decides on the first call from its arrays (host
         arrays: NumPy; GPU arrays: the CUDA kernels), and the cache stays there: host
         arrays given to a GPU cache are copied to the device and their results come back
@@ -255,7 +255,7 @@ class KVCache(SlotStore, Exchange):
             be.acc_dtype(self.dtype)  # raises where the backend lacks the dtype (float64 on GPUs)
         except ValueError as e:
             raise ValueError(f"{fn}: dtype: a cache of {self.dtype} cannot live on backend "
-                             f"{be.name!r} ({e}); float64 caches run on backend='numpy'") from None
+                             f"{be.name!r} ({e}); float64 caches run on backend='cpu'") from None
         xp = be.xp
         B, Zkv, S = self.batch, self.kv_heads, self.slots
         self._k = xp.zeros((B, Zkv, S, self.head_dim), self.dtype)

@@ -1,7 +1,7 @@
 """Which BLAS the compiled tile loops call (``BURSTMPI_BLAS``), and that the choice keeps
 results within the flash-attn rule and bitwise reproducible.
 
-The library is bound once per process (``cpu_blas``), so each setting runs in its own
+The library is bound once per process (``cpu.blas``), so each setting runs in its own
 interpreter; those run once, not on every rank of the MPI rerun."""
 
 import ctypes
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(NRANKS > 1, reason="spawns its own interpreters;
 
 
 def _have_mkl():
-    """Can this environment load a oneMKL runtime under the names ``cpu_blas`` looks for?"""
-    from burstmpi.backends.cpu_blas import _MKL_NAMES
+    """Can this environment load a oneMKL runtime under the names ``cpu.blas`` looks for?"""
+    from burstmpi.backends.cpu.blas import _MKL_NAMES
 
     if glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")):
         return True
@@ -43,12 +43,12 @@ HAVE_MKL = _have_mkl()
 _CHILD = r"""
 import json, sys
 import numpy as np
-from burstmpi.backends import cpu_blas
+from burstmpi.backends.cpu import blas as cpu_blas
 info = {"why": cpu_blas.available(), "library": list(cpu_blas.library or ())}
 if len(sys.argv) > 1 and not info["why"]:
     import burstmpi
     from burstmpi import reference as ref
-    from burstmpi.backends import cpu_tiles
+    from burstmpi.backends.cpu import tiles as cpu_tiles
     info["kernels"] = cpu_tiles.describe()
     q, k, v, do = ref.random_problem(1, 1000, 4, 2, 64, dtype=np.float32, seed=5)
     plan = burstmpi.BurstAttention(causal=True)

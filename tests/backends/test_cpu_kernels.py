@@ -11,16 +11,15 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.backends import tile_ops
-from burstmpi.backends.numpy_backend import NumpyBackend
-from burstmpi.backends.tile_plan import bands as _bands
-from burstmpi.backends.threads import Workers, threads_per_rank
+from burstmpi.backends.cpu import CpuBackend, numpy_tiles
+from burstmpi.backends.cpu.tile_plan import bands as _bands
+from burstmpi.backends.cpu.threads import Workers, threads_per_rank
 from burstmpi.config import settings
 from burstmpi.interop import bfloat16
 
 from conftest import DTYPES, NRANKS, check_against_float64, check_fully_masked_rows
 
-ck = pytest.importorskip("burstmpi.backends.cpu_kernels", reason="numba is not installed")
+ck = pytest.importorskip("burstmpi.backends.cpu.kernels", reason="numba is not installed")
 
 RNG = np.random.default_rng(7)
 
@@ -63,7 +62,7 @@ def test_softmax_update_matches_numpy(g, whole):
     m0 = np.where(RNG.random(n) < 0.3, -np.inf, RNG.standard_normal(n)).astype(np.float32)
     l0 = np.where(m0 == -np.inf, 0, RNG.random(n) + 0.5).astype(np.float32)
     results = []
-    for ops, iv in ((ck, (lo, hi)), (tile_ops, (None, None) if whole else (lo, hi))):
+    for ops, iv in ((ck, (lo, hi)), (numpy_tiles, (None, None) if whole else (lo, hi))):
         s, m, l, alpha = s0.copy(), m0.copy(), l0.copy(), np.empty(n, np.float32)
         ops.softmax_update(s, *iv, g, m, l, alpha)
         results.append((s, m, l, alpha))
@@ -90,23 +89,23 @@ def test_backward_kernels_match_numpy():
     lse[0] = np.inf  # a row that sees no key: P = 0
     p, p_np = p0.copy(), p0.copy()
     ck.probs(p, lo, hi, g, lse)
-    tile_ops.probs(p_np, lo, hi, g, lse)
+    numpy_tiles.probs(p_np, lo, hi, g, lse)
     np.testing.assert_allclose(p, p_np, rtol=3e-7, atol=1e-38)
     assert (p[0] == 0).all() and (p[2:4, 5:] == 0).all() and (p_np[2:4, 5:] == 0).all()
     D = RNG.standard_normal(n).astype(np.float32)
     ds0 = RNG.standard_normal((n, tk)).astype(np.float32)
     ds, ds_np = ds0.copy(), ds0.copy()
     ck.dsoftmax(ds, p, D)
-    tile_ops.dsoftmax(ds_np, p, D)
+    numpy_tiles.dsoftmax(ds_np, p, D)
     np.testing.assert_allclose(ds, ds_np, rtol=1e-6, atol=1e-30)
 
 
 @pytest.mark.parametrize("g", [1, 3])
 def test_row_loops_match_numpy(g):
-    """``cpu_tiles.fwd_row`` / ``bwd_row`` (BLAS called from compiled code, alpha and beta
-    doing the scale and the accumulation) against ``tile_ops``': whole and partial key tiles
+    """``cpu.tiles.fwd_row`` / ``bwd_row`` (BLAS called from compiled code, alpha and beta
+    doing the scale and the accumulation) against ``cpu.numpy_tiles``': whole and partial key tiles
     of unequal widths, GQA rows, a running state carried in, each side's gradients skipped."""
-    ct = pytest.importorskip("burstmpi.backends.cpu_tiles", reason="no sgemm to call from compiled code")
+    ct = pytest.importorskip("burstmpi.backends.cpu.tiles", reason="no sgemm to call from compiled code")
     ntok, d, dv, Ck = 11, 24, 20, 70
     n = ntok * g
     q, do = (RNG.standard_normal((n, x)).astype(np.float32) for x in (d, dv))
@@ -120,25 +119,25 @@ def test_row_loops_match_numpy(g):
     state0 = (RNG.standard_normal((n, dv)).astype(np.float32) * (m0 > -np.inf)[:, None], m0,
               np.where(m0 == -np.inf, 0, RNG.random(n) + 0.5).astype(np.float32))
     got = {}
-    for ops in (ct, tile_ops):
+    for ops in (ct, numpy_tiles):
         acc, m, l = (x.copy() for x in state0)
         ops.fwd_row(q, k, v, *tiles, g, scale, acc, m, l, np.zeros(n * d, np.float32), np.zeros(n * 32, np.float32),
                     np.zeros(n, np.float32))
         got[ops] = acc, m, l
-    for a, b in zip(got[ct], got[tile_ops]):
+    for a, b in zip(got[ct], got[numpy_tiles]):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
     D = RNG.standard_normal(n).astype(np.float32)
     lse = (got[ct][1] + np.log(np.maximum(got[ct][2], 1e-30))).astype(np.float32)
     lse[2] = np.inf  # a row that sees no key
     for sides in ((True, True), (True, False), (False, True)):
         grads = {}
-        for ops in (ct, tile_ops):
+        for ops in (ct, numpy_tiles):
             dq = np.ones((n, d), np.float32) if sides[0] else None
             dk, dvv = (np.ones((Ck, x), np.float32) for x in (d, dv)) if sides[1] else (None, None)
             ops.bwd_row(q, do, D, lse, k, v, *tiles, g, scale, dq, dk, dvv, np.zeros(n * d, np.float32),
                         np.zeros(n * 32, np.float32), np.zeros(n * 32, np.float32))
             grads[ops] = dq, dk, dvv
-        for a, b in zip(grads[ct], grads[tile_ops]):
+        for a, b in zip(grads[ct], grads[numpy_tiles]):
             assert (a is None) == (b is None)
             if a is not None:
                 np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
@@ -165,7 +164,7 @@ def test_row_loops_take_any_row_stride(g):
     """The compiled loops read operands where they lie: q, k, v, dO (read-only, rows apart)
     and dq, dk, dv accumulators that are slices of wider arrays give bitwise the results of
     contiguous copies; a column-strided input is copied, not misread."""
-    ct = pytest.importorskip("burstmpi.backends.cpu_tiles", reason="no sgemm to call from compiled code")
+    ct = pytest.importorskip("burstmpi.backends.cpu.tiles", reason="no sgemm to call from compiled code")
     rng = np.random.default_rng(3)
     ntok, d, dv, Ck = 40, 16, 24, 96
     n = ntok * g
@@ -202,8 +201,8 @@ def test_row_loops_take_any_row_stride(g):
 def test_row_loops_band_partial_tiles(g):
     """Partly visible tiles of more than one band (128 GEMM rows) run band by band over
     the columns each band sees: a causal diagonal, a window's band, and tokens that see
-    nothing of the tile (a whole band skipped); against ``tile_ops``, forward and backward."""
-    ct = pytest.importorskip("burstmpi.backends.cpu_tiles", reason="no sgemm to call from compiled code")
+    nothing of the tile (a whole band skipped); against ``numpy_tiles``, forward and backward."""
+    ct = pytest.importorskip("burstmpi.backends.cpu.tiles", reason="no sgemm to call from compiled code")
     ntok, w, d = 300, 300, 16
     n = ntok * g
     t = np.arange(ntok)
@@ -217,7 +216,7 @@ def test_row_loops_band_partial_tiles(g):
     c0 = np.array([0, w, 2 * w], np.int64)
     tiles = (c0, c0 + w, np.arange(3, dtype=np.int64), lo, hi)
     got = {}
-    for ops in (ct, tile_ops):
+    for ops in (ct, numpy_tiles):
         acc, m, l = np.zeros((n, d), np.float32), np.full(n, -np.inf, np.float32), np.zeros(n, np.float32)
         ops.fwd_row(q, k, v, *tiles, g, 0.25, acc, m, l, np.zeros(n * d, np.float32), np.zeros(n * w, np.float32),
                     np.zeros(n, np.float32))
@@ -226,7 +225,7 @@ def test_row_loops_band_partial_tiles(g):
         ops.bwd_row(q, do, (do * acc).sum(axis=1), lse, k, v, *tiles, g, 0.25, *grads, np.zeros(n * d, np.float32),
                     np.zeros(n * w, np.float32), np.zeros(n * w, np.float32))
         got[ops] = (acc, m, l, *grads)
-    for a, b in zip(got[ct], got[tile_ops]):
+    for a, b in zip(got[ct], got[numpy_tiles]):
         np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-5)
 
 
@@ -262,7 +261,7 @@ def test_both_paths_against_float64(kernels, threads, dtype, causal, window, mon
 @pytest.mark.parametrize("kernels", ["numba", "numpy"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_fully_masked_rows_both_paths(kernels, dtype):
-    check_fully_masked_rows(NumpyBackend(tile_q=4, tile_k=3, kernels=kernels, threads=2), dtype, 8)
+    check_fully_masked_rows(CpuBackend(tile_q=4, tile_k=3, kernels=kernels, threads=2), dtype, 8)
 
 
 @pytest.mark.parametrize("kernels", ["numba", "numpy"])
@@ -292,19 +291,20 @@ def test_deterministic_and_inputs_unchanged(kernels, monkeypatch):
 
 
 def _forget(monkeypatch, *modules):
+    """Make ``burstmpi.backends.cpu``'s ``modules`` import afresh (for this test only)."""
     for mod in modules:
-        monkeypatch.delitem(sys.modules, f"burstmpi.backends.{mod}", raising=False)
-        monkeypatch.delattr(sys.modules["burstmpi.backends"], mod, raising=False)
+        monkeypatch.delitem(sys.modules, f"burstmpi.backends.cpu.{mod}", raising=False)
+        monkeypatch.delattr(sys.modules["burstmpi.backends.cpu"], mod, raising=False)
 
 
 def test_fallback_without_numba(monkeypatch):
     """Without numba "auto" runs on NumPy and "numba" is a clear error (on every rank:
     the runtime agrees on it before going on)."""
     monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
-    _forget(monkeypatch, "cpu_kernels", "cpu_tiles")
-    assert NumpyBackend(kernels="auto").ops is tile_ops
+    _forget(monkeypatch, "kernels", "tiles", "packed", "micro")
+    assert CpuBackend(kernels="auto").ops is numpy_tiles
     with pytest.raises(RuntimeError, match="BURSTMPI_CPU_KERNELS=numba: the compiled CPU tile loops are unavailable"):
-        NumpyBackend(kernels="numba")
+        CpuBackend(kernels="numba")
     monkeypatch.setenv("BURSTMPI_CPU_KERNELS", "numba")
     q = np.zeros((1, 4, 2, 8), np.float32)
     with pytest.raises(RuntimeError, match="pip install numba, or set BURSTMPI_CPU_KERNELS=numpy"):
@@ -314,14 +314,14 @@ def test_fallback_without_numba(monkeypatch):
 def test_fallback_without_sgemm(monkeypatch):
     """No BLAS sgemm to call from compiled code (a BLAS without cblas, say): "auto" runs the
     NumPy loops, "numba" says why it cannot."""
-    from burstmpi.backends import cpu_blas
+    from burstmpi.backends.cpu import blas as cpu_blas
 
     monkeypatch.setattr(cpu_blas, "sgemm", None)
     monkeypatch.setattr(cpu_blas, "_why", "no cblas_sgemm found in the loaded BLAS libraries (test)")
-    _forget(monkeypatch, "cpu_tiles")
-    assert NumpyBackend(kernels="auto").ops is tile_ops
+    _forget(monkeypatch, "tiles", "packed")
+    assert CpuBackend(kernels="auto").ops is numpy_tiles
     with pytest.raises(RuntimeError, match=r"need BLAS's sgemm: no cblas_sgemm found .*\(test\)"):
-        NumpyBackend(kernels="numba")
+        CpuBackend(kernels="numba")
 
 
 def test_settings_name_the_variable(monkeypatch):
@@ -395,7 +395,7 @@ def test_query_tiles_grow_when_the_keys_are_few():
     """A rank's queries against a packet of 4 sinks: one item per 16 query tiles, not a
     tiny GEMM each; a block of a tile's width of keys keeps the usual tiles."""
     from burstmpi.masks.intervals import Block
-    be = NumpyBackend(tile_q=64, tile_k=64)
+    be = CpuBackend(tile_q=64, tile_k=64)
     n = 64 * 40
     qb = Block(np.arange(100, 100 + n), np.zeros(n, np.int64), np.full(n, 3), np.zeros(n, np.int64))
     few = Block(np.arange(4), np.full(4, 100), np.full(4, 100 + n - 1), np.zeros(4, np.int64))

@@ -1,8 +1,12 @@
-"""The forward on the micro-kernel (``burstmpi.backends.cpu_packed``: K and V packed once)
+"""The forward on the micro-kernel (``burstmpi.backends.cpu.packed``: K and V packed once)
 against the NumPy tile loops and, end to end, against float64.
 
 Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs it at 2, 3 and 4).
 """
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,12 +14,12 @@ import pytest
 import burstmpi
 from burstmpi import masks
 from burstmpi import reference as ref
-from burstmpi.backends import tile_ops
+from burstmpi.backends.cpu import numpy_tiles
 from burstmpi.interop import bfloat16
 
 from conftest import DTYPES, NRANKS, check_against_float64
 
-cp = pytest.importorskip("burstmpi.backends.cpu_packed", reason="numba is not installed")
+cp = pytest.importorskip("burstmpi.backends.cpu.packed", reason="numba is not installed")
 if not cp.available():
     pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512", allow_module_level=True)
 
@@ -23,7 +27,7 @@ RNG = np.random.default_rng(11)
 
 
 def _packed(k, v):
-    """K and V packed as the backend packs them (``cpu_packed.pack``)."""
+    """K and V packed as the backend packs them (``cpu.packed.pack``)."""
     out = []
     for kind, x in (("k", k), ("v", v)):
         out.append(np.empty(cp.packed_shape(kind, *x.shape), np.float32))
@@ -85,12 +89,12 @@ def _row_problem(g, ntok=23, d=26, dv=20, ck=149):
 
 
 def _both(q, k, v, tiles, g, state, scale=0.3):
-    """(acc, m, l) from the packed row and from ``tile_ops``' NumPy row, on copies of ``state``."""
+    """(acc, m, l) from the packed row and from ``cpu.numpy_tiles``' NumPy row, on copies of ``state``."""
     n, d = q.shape
     ours, numpy = (tuple(x.copy() for x in state) for _ in range(2))
     cp.fwd_row(q, *_packed(k, v), *tiles, g, scale, *ours)
     widest = int((tiles[1] - tiles[0]).max())
-    tile_ops.fwd_row(q, k, v, *tiles, g, scale, *numpy, np.zeros(n * d, np.float32),
+    numpy_tiles.fwd_row(q, k, v, *tiles, g, scale, *numpy, np.zeros(n * d, np.float32),
                      np.zeros(n * widest, np.float32), np.zeros(n, np.float32))
     return ours, numpy
 
@@ -198,13 +202,28 @@ def test_auto_packs_where_the_keys_meet_512_query_rows():
     """BURSTMPI_CPU_GEMM=auto: a block is packed when its keys meet 512 query rows or more on
     average (the plan's pairs over its keys; GQA rows count), else the forward calls sgemm;
     float64 never."""
-    from burstmpi.backends.numpy_backend import NumpyBackend
+    from burstmpi.backends.cpu import CpuBackend
 
-    backend = NumpyBackend(kernels="numba", gemm="auto")
+    backend = CpuBackend(kernels="numba", gemm="auto")
     ck, d = 96, 16
     k = v = np.zeros((1, 1, ck, d), np.float32)
     tiles = lambda w: (np.array([0]), np.array([w]), np.array([-1]), np.zeros((0, 1)), np.zeros((0, 1)))
     assert backend._pack(k, v, [(0, 256, tiles(ck))], 2, np.dtype(np.float32)) is not None  # 512 rows a key
     assert backend._pack(k, v, [(0, 255, tiles(ck))], 2, np.dtype(np.float32)) is None
     assert backend._pack(k.astype(np.float64), v.astype(np.float64), [(0, 4096, tiles(ck))], 1, np.dtype(np.float64)) is None
-    assert NumpyBackend(kernels="numba", gemm="blas").packed is None
+    assert CpuBackend(kernels="numba", gemm="blas").packed is None
+
+
+@pytest.mark.skipif(NRANKS > 1, reason="spawns its own interpreters; once is enough")
+@pytest.mark.parametrize("features, lanes", [("+avx,+avx2,+fma,-avx512f", 8), ("+avx,+avx2,+fma,+avx512f", 16),
+                                             ("+avx,-avx2,-fma,-avx512f", 0)])
+def test_vector_width_follows_numba_cpu_features(features, lanes):
+    """The micro-kernel's vector width is that of the CPU numba compiles for: with
+    ``NUMBA_CPU_FEATURES`` set (a fresh interpreter: numba reads it once), that, whatever
+    the host has; so the AVX2 kernel can run, and be measured, on an AVX-512 machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI"))}  # not a rank
+    env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=features)
+    out = subprocess.run([sys.executable, "-c", "from burstmpi.backends.cpu import micro; "
+                          "print(micro.LANES, micro.NR, micro.available())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(lanes), str(2 * max(lanes, 8)), str(lanes > 0)]

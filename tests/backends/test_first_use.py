@@ -109,8 +109,8 @@ def test_ranks_compile_one_at_a_time_and_only_rank_0_says_so(tmp_path):
 def test_the_real_tile_loops_are_silent_once_cached(tmp_path):
     """The CPU backend's loops (the package's own cache): a first process may compile them
     (and then says so), the next loads them without a word."""
-    code = ("from burstmpi.backends.numpy_backend import NumpyBackend; from burstmpi.backends import cpu_tiles; "
-            "NumpyBackend(kernels='numba'); print('loaded', cpu_tiles._warm[1])")
+    code = ("from burstmpi.backends.cpu import CpuBackend; from burstmpi.backends.cpu import tiles as cpu_tiles; "
+            "CpuBackend(kernels='numba'); print('loaded', cpu_tiles._warm[1])")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     env.pop("NUMBA_CACHE_DIR", None)
     run = lambda: subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

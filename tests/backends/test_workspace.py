@@ -1,4 +1,4 @@
-"""The CPU backend's memory kept from call to call (``burstmpi.backends.workspace``): working
+"""The CPU backend's memory kept from call to call (``burstmpi.backends.cpu.workspace``): working
 arrays reused without changing results, and results that stay the caller's own.
 
 Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs 2, 3 and 4)."""
@@ -10,8 +10,8 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.backends.numpy_backend import NumpyBackend
-from burstmpi.backends.workspace import ALIGN, OutputPool, Workspace
+from burstmpi.backends.cpu import CpuBackend
+from burstmpi.backends.cpu.workspace import ALIGN, OutputPool, Workspace
 from burstmpi.interop import bfloat16
 
 from conftest import NRANKS
@@ -143,7 +143,7 @@ def test_store_and_zeros_match_numpy_in_one_pass(threads, dtype, C):
     copying in the accumulation dtype and rounding once, as NumPy does; ``fwd_finalize``
     writes its normalised rows that way and refuses an ``out`` it would not fill exactly.
     ``_zeros`` clears a reused slot. A rank may hold no token (C = 0)."""
-    be = NumpyBackend(threads=threads)
+    be = CpuBackend(threads=threads)
     B, Zkv, g, d = 2, 3, 2, 40
     acc = np.float64 if dtype == np.float64 else np.float32
     rng = np.random.default_rng(0)

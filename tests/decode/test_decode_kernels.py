@@ -8,7 +8,7 @@ import pytest
 
 import kernel_harness as kh
 from conftest import COMM, NRANKS, RANK
-from decode_harness import problem as _problem, run_cache
+from decode_harness import run_cache
 
 import burstmpi
 
@@ -62,9 +62,9 @@ def test_empty_cache_and_many_rows_on_emulated_kernels(lib):
     assert cache.seqlen == 25 and be.launches > 0
 
 
-def test_float64_needs_the_numpy_backend(lib):
+def test_float64_needs_the_cpu_backend(lib):
     """A backend given as an object is where the cache lives from the start: the cache
     refuses float64 when it is made (a backend chosen by name or "auto" refuses it on
     the first call that places the cache)."""
-    with pytest.raises(ValueError, match=r"KVCache: dtype: a cache of float64 cannot live on backend .*float64 caches run on backend=.numpy."):
+    with pytest.raises(ValueError, match=r"KVCache: dtype: a cache of float64 cannot live on backend .*float64 caches run on backend=.cpu."):
         burstmpi.KVCache(capacity=8, batch=1, kv_heads=2, head_dim=32, dtype=np.float64, backend=_backend(lib))

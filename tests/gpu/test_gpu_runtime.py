@@ -41,7 +41,7 @@ def test_cuda_backend_without_a_gpu_is_one_clear_error_on_every_rank():
     with pytest.raises(kind, match=match):
         plan.forward(q, q, q)
     # The plan is still usable on the host afterwards.
-    plan2 = burstmpi.BurstAttention(backend="numpy")
+    plan2 = burstmpi.BurstAttention(backend="cpu")
     out, _ = plan2.forward(q, q, q)
     assert out.shape == q.shape
 
@@ -49,8 +49,8 @@ def test_cuda_backend_without_a_gpu_is_one_clear_error_on_every_rank():
 def test_transport_options_are_checked():
     with pytest.raises(ValueError, match=r"transport: expected 'auto', 'nccl', 'mpi' or 'shm', got 'tcp'"):
         burstmpi.BurstAttention(transport="tcp")
-    with pytest.raises(ValueError, match=r"transport: 'nccl' moves GPU buffers; backend='numpy'"):
-        burstmpi.BurstAttention(transport="nccl", backend="numpy")
+    with pytest.raises(ValueError, match=r"transport: 'nccl' moves GPU buffers; backend='cpu'"):
+        burstmpi.BurstAttention(transport="nccl", backend="cpu")
 
 
 @pytest.mark.parametrize("requested,ok,shared,expect", [

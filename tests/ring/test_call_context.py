@@ -18,7 +18,7 @@ import pytest
 import burstmpi
 import kernel_harness as kh
 from burstmpi import reference as ref
-from conftest import COMM, NRANKS, check_against_float64
+from conftest import COMM, NRANKS
 
 PACKAGE = Path(burstmpi.__file__).resolve().parent
 BELOW = tuple(str(PACKAGE / d) for d in ("ring", "transport", "backends", "masks"))
@@ -116,7 +116,7 @@ def test_host_then_emulated_gpu_arrays_do_not_share_the_rings(monkeypatch):
 
     monkeypatch.setattr(rt_mod.Runtime, "_use_cuda", use_emulated)
     plan.runtime.kind = lambda arrays: "cuda" if any(getattr(a, "on_gpu", False) for a in arrays.values()) \
-        else "numpy"
+        else "cpu"
     q, k, v, _ = ref.random_problem(1, 6 * NRANKS, 2, 2, 32, seed=5)
     sh = lambda x: burstmpi.shard(x, layout="zigzag")
     host_out, _ = plan.forward(sh(q), sh(k), sh(v))

@@ -1,4 +1,4 @@
-"""The CPU backend ("numpy"): FlashAttention-2 style tiled local attention on host memory.
+"""The CPU backend (``CpuBackend``): FlashAttention-2 style tiled local attention on host memory.
 
 Array layouts (row-major, chosen so that a tile of Q rows for one KV head is one
 contiguous matrix and a GEMM covers the whole query-head group at once):
@@ -21,9 +21,9 @@ it inside the tile loop exactly as FlashAttention-2 merges one K tile into the n
 
 A query tile's loop over its key tiles is ``self.ops``'s ``fwd_row``, and ``bwd_rows``
 runs the backward's loops of several query tiles in one call; both are
-compiled with numba in ``cpu_tiles`` (BLAS's sgemm called from machine code, fused
-elementwise sweeps between the GEMMs) or in NumPy in ``tile_ops``
-(``BURSTMPI_CPU_KERNELS``). The float32 forward runs on ``cpu_packed`` instead where the
+compiled with numba in ``tiles`` (BLAS's sgemm called from machine code, fused
+elementwise sweeps between the GEMMs) or in NumPy in ``numpy_tiles``
+(``BURSTMPI_CPU_KERNELS``). The float32 forward runs on ``packed`` instead where the
 CPU has its micro-kernel and a block's keys meet enough query rows to pay for packing K
 and V once (``BURSTMPI_CPU_GEMM``). ``tile_plan`` plans the tiles (and keeps the plans
 from call to call); this module converts
@@ -36,19 +36,19 @@ order: results are bitwise reproducible.
 
 import numpy as np
 
-from ..config import settings
-from ..validate import check_out
-from . import jit_cache, numpy_decode, tile_ops
+from ...config import settings
+from ...validate import check_out
+from .. import jit_cache
+from . import decode as cpu_decode, numpy_tiles
 from .tile_plan import TilePlans, runs as _runs
 from .threads import Workers
 from .workspace import OutputPool, Workspace
 
-__all__ = ["NumpyBackend"]
+__all__ = ["CpuBackend"]
 
 # Query tiles per call of the tile loops on one thread (the backward's, and the packed
-# forward's): the Python around a call (views, checks, numba's dispatch) cost ~50 us in the
-# backward, ~20 us in the forward, and ``poll`` moves the transfers between calls, every few
-# milliseconds.
+# forward's): the Python around a call (views, checks, numba's dispatch) is paid once for
+# several tiles, and ``poll`` still moves the transfers between calls, every few milliseconds.
 _ROWS_PER_CALL = 8
 
 
@@ -83,43 +83,44 @@ def _tile_rows(x, b, z, r0, r1):
 def _ops(setting):
     """The tile loops for ``setting`` ("auto", "numba" or "numpy")."""
     if setting == "numpy":
-        return tile_ops
+        return numpy_tiles
     try:  # numba is a dependency, but the CPU backend must work without it
-        from . import cpu_tiles
+        from . import tiles
     except ImportError as e:
         if setting == "numba":
             raise RuntimeError(f"BURSTMPI_CPU_KERNELS=numba: the compiled CPU tile loops are unavailable ({e}); "
                                "pip install numba, or set BURSTMPI_CPU_KERNELS=numpy") from None
         if settings().blas == "mkl":  # asked for by name: not quietly the slow loops instead
             raise RuntimeError(f"the compiled CPU tile loops are unavailable: {e}") from None
-        return tile_ops
-    return cpu_tiles  # warmed by NumpyBackend, with the packed path: one first-use notice
+        return numpy_tiles
+    return tiles  # warmed by CpuBackend, with the packed path: one first-use notice
 
 
 def _packed(ops, setting):
-    """``cpu_packed`` where the float32 forward's tiles may run on it (the compiled loops, a CPU
+    """``packed`` where the float32 forward's tiles may run on it (the compiled loops, a CPU
     with its micro-kernel, BURSTMPI_CPU_GEMM not "blas"), else None."""
-    if setting == "blas" or ops is tile_ops:  # the NumPy loops (BURSTMPI_CPU_KERNELS=numpy) have their own GEMMs
+    if setting == "blas" or ops is numpy_tiles:  # the NumPy loops (BURSTMPI_CPU_KERNELS=numpy) have their own GEMMs
         return None
-    from . import cpu_packed
+    from . import packed
 
-    if not cpu_packed.available():
+    if not packed.available():
         if setting == "packed":
             raise RuntimeError("BURSTMPI_CPU_GEMM=packed: the micro-kernel needs a CPU with AVX2 and FMA, or AVX-512")
         return None
-    return cpu_packed
+    return packed
 
 
-class NumpyBackend:
-    """Local attention kernels on host memory."""
+class CpuBackend:
+    """Local attention kernels on host memory: the backend named "cpu" (``backend="cpu"``;
+    "numpy" is its old name)."""
 
-    name = "numpy"
+    name = "cpu"
     xp = np
 
     def __init__(self, tile_q=512, tile_k=512, threads=1, kernels="auto", gemm="auto"):
         self.tile_q, self.tile_k = tile_q, tile_k
-        self.ops = _ops(kernels)  # tile_ops (NumPy) or cpu_tiles (numba)
-        self.packed = _packed(self.ops, gemm)  # cpu_packed, for the float32 forward, or None
+        self.ops = _ops(kernels)  # numpy_tiles (NumPy) or tiles (numba)
+        self.packed = _packed(self.ops, gemm)  # packed, for the float32 forward, or None
         # Compiled, or loaded from the disk cache, once per process; a first compile says so
         # on rank 0 (about 20 s that used to pass in silence).
         jit_cache.first_use("the CPU tile loops", [m for m in (self.ops, self.packed) if hasattr(m, "_SIGNATURES")])
@@ -152,7 +153,7 @@ class NumpyBackend:
 
     def _ops_for(self, cd):
         """The compiled loops are float32; float64 (the reference precision) stays on NumPy."""
-        return self.ops if cd == np.float32 else tile_ops
+        return self.ops if cd == np.float32 else numpy_tiles
 
     def _convert(self, x, out):
         """``x`` copied into ``out`` (the accumulation dtype): float16/bfloat16 by the compiled
@@ -287,14 +288,14 @@ class NumpyBackend:
         B, Zkv, C, g, d = q.shape
         cd = acc.dtype
         ops = self._ops_for(cd)
-        plan, kept = self.plans.get(g, qb, kb, blocks)
-        packed = self._pack(k, v, plan, g, cd)
+        tiling, kept = self.plans.get(g, qb, kb, blocks)
+        packed = self._pack(k, v, tiling, g, cd)
         if packed is None:
             k, v = self._blocks(k, v, cd)
-        elif self.workers.n == 1 and plan:
-            self._fwd_runs(q, packed, (acc, m, l), _runs(plan, -(-len(plan) // _ROWS_PER_CALL), kept), scale, poll)
+        elif self.workers.n == 1 and tiling:
+            self._fwd_runs(q, packed, (acc, m, l), _runs(tiling, -(-len(tiling) // _ROWS_PER_CALL), kept), scale, poll)
             return
-        width = max((int((t[1] - t[0]).max()) for _, _, t in plan), default=0)
+        width = max((int((t[1] - t[0]).max()) for _, _, t in tiling), default=0)
 
         def item(it, scratch):
             b, z, r0, r1, tiles = it
@@ -311,8 +312,8 @@ class NumpyBackend:
         # longest rows first (a causal mask's last query tiles see the most key tiles), so
         # the last items are short and the threads finish together. Each item writes only
         # its own rows: the order does not change the result.
-        plan = sorted(plan, key=lambda row: -len(row[2][0]))
-        items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in plan]
+        tiling = sorted(tiling, key=lambda row: -len(row[2][0]))
+        items = [(b, z, r0, r1, tiles) for b in range(B) for z in range(Zkv) for r0, r1, tiles in tiling]
         self.workers.run(items, item, poll)
 
     def _fwd_runs(self, q, packed, state, bands, scale, poll):
@@ -331,17 +332,16 @@ class NumpyBackend:
 
         self.workers.run([(b, z, i) for b in range(B) for z in range(Zkv) for i in range(len(bands))], item, poll)
 
-    def _pack(self, k, v, plan, g, cd):
-        """(kp, vp): the block's K and V packed for ``cpu_packed`` (a (batch, KV head) slab per
+    def _pack(self, k, v, tiling, g, cd):
+        """(kp, vp): the block's K and V packed for ``packed`` (a (batch, KV head) slab per
         work item, on the workers) when the forward's tiles take that path, else None. It
         does for float32 where the backend has it and the keys meet 512 query rows or more
         on average (BURSTMPI_CPU_GEMM=packed: always): packing copies each key's K and V
-        rows once, at about 1 ns a float on one AVX2 core, and each pair of a tile saves
-        about 0.8 ns."""
+        rows once, about what a few hundred of its pairs save on the micro-kernel."""
         if self.packed is None or cd != np.float32:
             return None
         B, Zkv, Ck, d = k.shape
-        if not self.pack_always and g * sum((r1 - r0) * int((t[1] - t[0]).sum()) for r0, r1, t in plan) < 512 * Ck:
+        if not self.pack_always and g * sum((r1 - r0) * int((t[1] - t[0]).sum()) for r0, r1, t in tiling) < 512 * Ck:
             return None
         if k.dtype != cd or v.dtype != cd or not (_rows_contiguous(k) and _rows_contiguous(v)):
             k, v = self._blocks(k, v, cd)  # else packed from where the rows lie (each read once)
@@ -359,13 +359,13 @@ class NumpyBackend:
 
     def decode(self, q, k, v, kpos, n, qpos0, left, scale, out, lse):
         """T new queries over the first ``n`` rows of a cache shard: a normalised partial
-        written into ``out`` and ``lse`` (``burstmpi.backends.numpy_decode``)."""
-        numpy_decode.decode(q, k, v, kpos, n, qpos0, left, scale, out, lse, rows=self.tile_q)
+        written into ``out`` and ``lse`` (``decode``)."""
+        cpu_decode.decode(q, k, v, kpos, n, qpos0, left, scale, out, lse, rows=self.tile_q)
 
     @staticmethod
     def combine(parts_out, parts_lse, out, lse):
-        """Merge normalised partials in a fixed order (``numpy_decode.combine``)."""
-        numpy_decode.combine(parts_out, parts_lse, out, lse)
+        """Merge normalised partials in a fixed order (``decode.combine``)."""
+        cpu_decode.combine(parts_out, parts_lse, out, lse)
 
     def fwd_finalize(self, state, dtype, out=None):
         """Return (out, lse) from the running state; rows that saw no key give 0 and -inf.
@@ -424,16 +424,16 @@ class NumpyBackend:
         ops = self._ops_for(cd)
         k, v = self._blocks(k, v, cd)
         Ck = k.shape[2]
-        plan, kept = self.plans.get(g, qb, kb, blocks)
-        if not plan:
+        tiling, kept = self.plans.get(g, qb, kb, blocks)
+        if not tiling:
             return
-        width = max(int((t[1] - t[0]).max()) for _, _, t in plan)
-        tall = max(r1 - r0 for r0, r1, _ in plan) * g
+        width = max(int((t[1] - t[0]).max()) for _, _, t in tiling)
+        tall = max(r1 - r0 for r0, r1, _ in tiling) * g
         if self.workers.n > 1:
             count = -(-2 * self.workers.n // (B * Zkv))
         else:
-            count = -(-len(plan) // _ROWS_PER_CALL)
-        bands = _runs(plan, count, kept)
+            count = -(-len(tiling) // _ROWS_PER_CALL)
+        bands = _runs(tiling, count, kept)
         split = dk is not None and self.workers.n > 1 and len(bands) > 1
         if split:  # each band's own dK/dV partial, added in band order afterwards
             dk_parts = self.workspace.array("dk_parts", (B, Zkv, len(bands), Ck, d), cd, 0)

@@ -1,6 +1,6 @@
 """BLAS's ``sgemm`` callable from numba-compiled code: the CPU tile loops' GEMMs.
 
-The compiled tile loops (``cpu_tiles``) run a whole row of tiles (a query tile against
+The compiled tile loops (``tiles``) run a whole row of tiles (a query tile against
 every key tile it sees) without returning to Python, so their GEMMs must be called from
 machine code: this module finds ``cblas_sgemm`` in the BLAS library NumPy itself loaded
 (threadpoolctl lists the loaded libraries), registers its address with LLVM under one
@@ -23,16 +23,14 @@ Which BLAS (``BURSTMPI_BLAS``, read once, when this module is first imported): `
 takes Intel's oneMKL when the environment has its runtime (``libmkl_rt``: pip's ``mkl``
 wheel, conda, or a cluster module on the loader path), else NumPy's own; ``mkl`` insists
 on oneMKL; ``numpy`` takes NumPy's. On an AVX-512 Xeon oneMKL's sgemm ran the forward's
-512 x 512 x 128 tile GEMMs 1.19x (S = Q K^T) and 1.05x (P V) as fast as NumPy's OpenBLAS
-on one core, the same library PyTorch's CPU attention calls. A oneMKL this module loads
+tile GEMMs 5-19 % faster than NumPy's OpenBLAS on one core; it is the library PyTorch's CPU
+attention calls. A oneMKL this module loads
 itself is private to it: switched to its sequential layer (the tile threads each run
 one-threaded GEMMs) and to conditional numerical reproducibility (CNR, branch ``AUTO``: the
 best code for this CPU, bitwise the same run to run at a fixed thread count, which a
 sequential library always has, whatever the arrays' alignment). Not its ``STRICT`` mode:
 that only adds results independent of the thread count, and it cost 6 % of the forward
-and 10 % of the backward (8K tokens, 8 heads, two tile threads, three processes each way,
-alternating, on the AVX-512 Xeon: 903 against 849 ms, 2317 against 2089). A oneMKL that
-NumPy already loaded
+and 10 % of the backward (8K tokens, two tile threads). A oneMKL that NumPy already loaded
 (a conda NumPy) is NumPy's: used as it is, one thread per tile thread like any BLAS.
 """
 
@@ -42,7 +40,7 @@ import sys
 
 import numpy as np
 
-from ..config import settings
+from ...config import settings
 
 __all__ = ["sgemm", "available", "describe", "short_name", "library", "ROW_MAJOR", "NO_TRANS", "TRANS"]
 

@@ -14,7 +14,7 @@ merging the same gathered partials, gets the same bits.
 
 import numpy as np
 
-from .tile_ops import online_update
+from .numpy_tiles import online_update
 
 __all__ = ["decode", "combine", "visible"]
 

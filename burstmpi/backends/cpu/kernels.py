@@ -1,19 +1,18 @@
 """The CPU backend's elementwise work, compiled with numba: one fused sweep per tile.
 
-``burstmpi.backends.tile_ops`` holds the same operations in NumPy (the fallback and the
-tests' reference); the compiled tile loops (``cpu_tiles``) call these between their
+``numpy_tiles`` holds the same operations in NumPy (the fallback and the
+tests' reference); the compiled tile loops (``tiles``) call these between their
 GEMMs. NumPy does elementwise work as one full pass over the tile per operation (mask,
 max, subtract, exp, sum, rescale), with an ``exp`` that is a libm-speed loop on CPUs
-without AVX-512. Here each operation is one loop that LLVM vectorises (a 512 x 512 tile's
-softmax update at 1.9 G elements/s on one AVX2 core, NumPy's at 0.2):
+without AVX-512. Here each operation is one loop that LLVM vectorises (a tile's softmax
+update about ten times as fast as NumPy's):
 
 - ``softmax_update``: a row's visible scores' max (a vector max: ``_fmax``), then exp and
   sum in the same sweep (masked entries written as 0), and the running max, sum and
   rescale factor;
 - ``probs``: the backward's ``P = exp(S - lse)`` inside each row's visible interval;
 - ``dsoftmax``: ``dS = P * (dP - D)``;
-- ``widen``: float16 / bfloat16 to float32 with integer operations (1.6 and 5.9 G
-  elements/s on one core here, against NumPy's casts at 0.3 and 1.6).
+- ``widen``: float16 / bfloat16 to float32 with integer operations (4-5x NumPy's casts).
 
 ``exp`` is computed arithmetically (``fexp``): e^x = 2^n e^r with n = round(x / ln 2), r =
 x - n ln 2 (ln 2 in two parts, so r is exact to float32 however large |x| is), e^r by a
@@ -23,9 +22,9 @@ largest relative error is 3e-7 (a few float32 ulp, against NumPy's 1) and it giv
 ``_fexp_run``, the same without that select. Only float32 is compiled: float64 inputs (the
 reference precision) stay on NumPy.
 
-Every kernel, and the tile loops of ``cpu_tiles``, asks for 512-bit vectors where the CPU
+Every kernel, and the tile loops of ``tiles``, asks for 512-bit vectors where the CPU
 has them (``wide_vectors``). Every kernel runs on the calling thread and releases the GIL (``nogil``): the backend runs
-tiles on several threads (``burstmpi.backends.threads``), so there is no ``prange`` here.
+tiles on several threads (``threads``), so there is no ``prange`` here.
 Compiled code is cached on disk (numba's ``cache=True``, next to this file or under
 ``NUMBA_CACHE_DIR``); ``warm()`` compiles (or loads) everything and says how long it took.
 The loops that compile these kernels in flush their cache when this file changes
@@ -39,7 +38,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from ..interop import bfloat16
+from ...interop import bfloat16
 
 # Fast-math flags without "nnan"/"ninf" (masked scores are -inf, and max/select must see
 # them) and with "reassoc" (vectorised sums; the order is fixed by the compiled code, so
@@ -108,8 +107,8 @@ def wide_vectors(typingctx):
     """Let LLVM vectorise the calling function with 512-bit registers where the CPU has
     them. LLVM's tuning for Intel's AVX-512 server cores prefers 256 bits (wide
     instructions can lower the clock), so numba's loops ran on ymm registers there; the
-    tile loops' GEMMs (oneMKL, OpenBLAS) run on zmm anyway. Measured on an AVX-512 Xeon,
-    one 512 x 512 tile's ``softmax_update``: 78 us against 101, bitwise the same result.
+    tile loops' GEMMs (oneMKL, OpenBLAS) run on zmm anyway. On 512 bits a tile's
+    ``softmax_update`` runs about a quarter faster, bitwise the same result.
     Set per function (``prefer-vector-width``; ``min-legal-vector-width`` survives
     inlining into the caller), so numba's process-wide CPU settings, and the user's own
     numba code, are left alone. CPUs without AVX-512 are unaffected."""
@@ -128,7 +127,7 @@ def wide_vectors(typingctx):
 @intrinsic
 def _fmax(typingctx, a, b):
     """LLVM's maxnum with "nnan nsz": the form its vectoriser turns into a vector max
-    reduction (numba's ``max`` stays scalar: 3.1 against 9.2 G elements/s, measured). Only
+    reduction (numba's ``max`` stays scalar, at a third of the speed). Only
     for finite operands, as scores in a visible run are."""
     sig = types.float32(types.float32, types.float32)
 

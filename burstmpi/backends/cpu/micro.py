@@ -1,4 +1,4 @@
-"""The micro-kernel of the packed CPU path (``cpu_packed``), written in LLVM IR for numba.
+"""The micro-kernel of the packed CPU forward (``packed``), written in LLVM IR for numba.
 
 ``micro_set`` / ``micro_add`` compute one ``MR`` x ``NR`` block of C = A B (``micro_add``:
 C = alpha C + A B, one factor a column) over a sum of ``kc`` terms, with A and B packed so
@@ -8,17 +8,18 @@ accumulators stay in registers for the whole sum (12 of AVX2's 16 registers for 
 6 and 8-float vectors: enough independent FMAs to hide their latency, with room for B's
 two vectors and A's broadcast element), then go to C once. ``exp_sweep`` is the
 softmax's exponential over rows of ``NR`` floats, vectorised the same way, with
-``cpu_kernels``' arithmetic.
+``kernels``' arithmetic.
 
 Written as IR because numba's loops give LLVM no way to keep a block of accumulators in
-registers (a plain triple loop over a local array ran at 4.3 GFLOP/s here), and LLVM's
-intrinsics (``llvm.fma``, ``llvm.maxnum``, ``llvm.floor`` on vectors) are portable: the
-same IR compiles for 16-float vectors where the CPU has AVX-512 (``LANES``; ``NR`` = 32).
-Measured on one AVX2 core (EPYC, znver3, 2026-12-03), 128 x 128 x 128 from packed
-operands: 96 GFLOP/s, against sgemm's 83 on the same shapes unpacked (89.5 at 512 x 512).
+registers (a plain triple loop over a local array ran at a twentieth of this kernel's
+speed), and LLVM's intrinsics (``llvm.fma``, ``llvm.maxnum``, ``llvm.floor`` on vectors)
+are portable: the same IR compiles for 16-float vectors where the CPU has AVX-512
+(``LANES``; ``NR`` = 32). The width follows the features numba compiles for: the host
+CPU's, or ``NUMBA_CPU_FEATURES`` where set (so ``NUMBA_CPU_NAME=haswell`` with those
+features less AVX-512 runs the AVX2 kernel on an AVX-512 machine).
 
-A change here reaches ``cpu_packed``'s cached machine code: ``jit_cache`` flushes it when
-this file changes (numba alone keys it on ``cpu_packed.py``).
+A change here reaches ``packed``'s cached machine code: ``jit_cache`` flushes it when
+this file changes (numba alone keys it on ``packed.py``).
 """
 
 import llvmlite.binding as llvm
@@ -29,10 +30,19 @@ from numba.extending import intrinsic
 __all__ = ["LANES", "MR", "NR", "available", "micro_set", "micro_add", "exp_sweep"]
 
 
+def _target_features():
+    """The CPU features numba compiles for: ``NUMBA_CPU_FEATURES`` where set, else the host's."""
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return {f[1:]: f[0] == "+" for f in config.CPU_FEATURES.split(",") if f[:1] in ("+", "-")}
+    return llvm.get_host_cpu_features()
+
+
 def _host_lanes():
-    """Floats per vector register of this CPU for the micro-kernel: 16 with AVX-512, 8 with
-    AVX2 and FMA, 0 (no packed path) without them."""
-    features = llvm.get_host_cpu_features()
+    """Floats per vector register for the micro-kernel on the CPU numba compiles for: 16 with
+    AVX-512, 8 with AVX2 and FMA, 0 (no packed path) without them."""
+    features = _target_features()
     if features.get("avx512f", False):
         return 16
     return 8 if features.get("avx2", False) and features.get("fma", False) else 0
@@ -174,7 +184,7 @@ def _micro(accumulate):
 
 micro_set, micro_add = _micro(False), _micro(True)
 
-# cpu_kernels' exp (``_exp_reduced``), on vectors: e^y = 2^n e^r, n = round(y / ln 2).
+# kernels' exp (``_exp_reduced``), on vectors: e^y = 2^n e^r, n = round(y / ln 2).
 _EXP = dict(log2e=1.4426950408889634, ln2_hi=0.693359375, ln2_lo=-2.12194440e-4, lo=-87.0, hi=88.0,
             poly=(1.0, 1.0, 0.49999991059303284, 0.16666419804096222, 0.041668202728033066,
                   0.00837482325732708, 0.001383816939778626))
@@ -184,7 +194,7 @@ _EXP = dict(log2e=1.4426950408889634, ln2_hi=0.693359375, ln2_lo=-2.12194440e-4,
 def exp_sweep(typingctx, pt, rows, sh, tot):
     """Rows 0..rows-1 of ``pt`` (``NR`` floats a row) become exp(pt - sh) (one shift a
     column), and ``tot`` the columns' sums: the softmax's second sweep over the rows every
-    query of a panel sees. As ``cpu_kernels.fexp`` computes it, exactly 0 below -87, but a
+    query of a panel sees. As ``kernels.fexp`` computes it, exactly 0 below -87, but a
     NaN stays NaN (a NaN score must reach its row)."""
     sig = types.void(*(_I64,) * 4)
 

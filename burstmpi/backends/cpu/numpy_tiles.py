@@ -1,20 +1,20 @@
 """The elementwise work of a CPU tile in NumPy: the fallback and the tests' reference.
 
-``burstmpi.backends.cpu_kernels`` has ``softmax_update``, ``probs``, ``dsoftmax`` and
+``kernels`` has ``softmax_update``, ``probs``, ``dsoftmax`` and
 ``widen`` compiled with numba (one fused sweep each instead of NumPy's several passes),
 with these signatures: 2-D tiles of ``n`` rows, the rows of token ``r // g`` seeing the
 columns ``jlo[r // g] .. jhi[r // g] - 1`` (here ``jlo``/``jhi`` may be None for a tile
 every row sees whole). ``rescale_add`` has no compiled twin: the compiled loop scales the
-accumulator itself and lets sgemm add P @ V. ``NumpyBackend`` runs these loops or the
+accumulator itself and lets sgemm add P @ V. ``CpuBackend`` runs these loops or the
 compiled ones (``BURSTMPI_CPU_KERNELS`` in ``burstmpi.config``).
 
 ``fwd_row`` and ``bwd_row`` are a query tile's loop over its key tiles, with
-``np.matmul`` for the GEMMs, and ``bwd_rows`` a run of query tiles; ``cpu_tiles`` has them
+``np.matmul`` for the GEMMs, and ``bwd_rows`` a run of query tiles; ``tiles`` has them
 compiled, with the same signatures (documented there). Any float dtype: float64 inputs, the reference precision, always run
 here.
 
 ``online_update`` (scores already masked with -inf) is the decode's merge
-(``numpy_decode``), whose cache rows may be in any order.
+(``decode``), whose cache rows may be in any order.
 """
 
 import numpy as np

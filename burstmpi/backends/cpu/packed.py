@@ -3,8 +3,8 @@
 BLAS's ``sgemm`` repacks both of its operands on every call. For a 512 x 512 tile that is
 a small share of the work, but a block-sparse mask's tiles are 128 x 128 (its blocks), and
 there the copies come to four per visible pair (Q, K, P, V) against 1.75 for a 512 x 512
-tile: 7.1-8.3 ns a pair against 6.3-6.9 on one AVX2 core (2026-12-03). Here every operand
-is laid out once, in the order ``cpu_micro``'s micro-kernel reads it:
+tile, and sgemm ran those tiles 15 % slower a pair. Here every operand
+is laid out once, in the order ``micro``'s micro-kernel reads it:
 
 - K and V once per block (``pack_k``: panels of ``MR`` keys, ``kp[i, c, x] = k[MR * i + x,
   c]``; ``pack_v``: panels of ``MR`` value columns, ``vp[i, j, x] = v[j, MR * i + x]``),
@@ -20,23 +20,22 @@ is laid out once, in the order ``cpu_micro``'s micro-kernel reads it:
 A tile's pairs then pay no copy: two GEMMs in the micro-kernel, the first of which also
 folds each query's running max in, and one exponential sweep. Packing costs a copy of
 each key's K and V row per block, so the backend packs where a block's keys meet enough
-query rows (``NumpyBackend._pack``). Measured on one AVX2 core, K and V packed against
-read in place by the same kernel: 6.2 / 6.6 against 7.0 / 7.6 ns a pair at 512 x 512 /
-128 x 128 tiles, so they are packed; the backward on the same kernel (P^T and dS^T
-transposed once for dK and dV) measured no faster than sgemm's and was not kept (commit
-f380212 has it).
+query rows (``CpuBackend._pack``). K and V read in place by the same kernel ran 12-15 %
+slower than packed, so they are packed; the backward on the same kernel (P^T and dS^T
+transposed once for dK and dV) was no faster than sgemm's and was not kept (commit f380212
+has it).
 
 ``fwd_rows`` runs several query tiles in one call (``tile_plan.flatten``), as
-``cpu_tiles.bwd_rows`` does and for the same reason: the Python around each call.
+``tiles.bwd_rows`` does and for the same reason: the Python around each call.
 
 Keys need not start at a multiple of ``MR``: a tile from column c0 starts at the panel
 holding c0 and ignores the rows before it (``c0 % MR``) and past its end. Per query panel
 only the key panels some query of it sees are computed (a causal diagonal tile costs
 about half of a whole one), and only the rows of a partly visible tile (``iv >= 0``) that
 some query of the panel does not see are masked (-inf, a vectorised select) before the one
-exponential sweep; all with ``cpu_kernels``' arithmetic: the same exp, the same rules for rows
+exponential sweep; all with ``kernels``' arithmetic: the same exp, the same rules for rows
 that see nothing (m stays -inf, alpha 1) and for NaN (it reaches the row's output and
-lse). Results are bitwise reproducible; they differ from ``cpu_tiles``' in rounding only
+lse). Results are bitwise reproducible; they differ from ``tiles``' in rounding only
 (another summation order).
 """
 
@@ -46,9 +45,10 @@ import time
 import numpy as np
 from numba import njit, types
 
-from . import cpu_kernels, cpu_micro, jit_cache
-from .cpu_kernels import _FM, _fmax, fexp, wide_vectors
-from .cpu_micro import LANES, MR, NR, available, exp_sweep as _exp_sweep, micro_add as _micro_add, micro_set as _micro_set
+from .. import jit_cache
+from . import kernels, micro
+from .kernels import _FM, _fmax, fexp, wide_vectors
+from .micro import LANES, MR, NR, available, exp_sweep as _exp_sweep, micro_add as _micro_add, micro_set as _micro_set
 
 __all__ = ["LANES", "MR", "NR", "available", "packed_shape", "pack", "pack_k", "pack_v", "fwd_row", "fwd_rows", "warm", "describe"]
 
@@ -87,8 +87,7 @@ def pack_v(v, vp):
     """V (Ck, dv), any row stride, into panels of ``MR`` value columns: ``vp`` (ceil(dv /
     MR), Ck, MR), the columns past dv zero. ``_ROWS`` rows at a time, panel by panel: those
     rows stay in L1 while every panel takes its ``MR`` columns of them, and each panel is
-    written in order (0.37-0.46 ns a float on one core, against 0.74-1.28 row by row
-    through array views, for 4096 x 128 with rows 512 B and 4 KB apart, 2026-12-04)."""
+    written in order (two to three times as fast as row by row through array views)."""
     ck, dv = v.shape
     flat = vp.reshape(-1)
     whole = dv // MR
@@ -141,7 +140,7 @@ def _hide(pt, a, b, jlo, jhi, mx):
 def _softmax(pt, a, b, wa, wb, jlo, jhi, m, l, alpha, mx, sh, tot):
     """One query panel's running softmax over rows a..b-1 of ``pt`` (keys down, ``NR``
     queries across): ``pt`` becomes P^T there, and m, l, alpha become what
-    ``cpu_kernels.softmax_update`` makes of them. Every query sees rows wa..wb-1 (``mx``
+    ``kernels.softmax_update`` makes of them. Every query sees rows wa..wb-1 (``mx``
     already holds their maxima: ``micro_set`` folded them in); outside them query y sees
     rows jlo[y]..jhi[y]-1 only (``_hide`` masks the rest). One exponential sweep then runs
     over all of a..b-1."""
@@ -247,9 +246,9 @@ def _fwd_tiles(q, kp, vp, c0, c1, iv, lo, hi, g, scale, acc, m, l):
 
 
 def fwd_row(q, kp, vp, c0, c1, iv, lo, hi, g, scale, acc, m, l):
-    """``cpu_tiles.fwd_row`` on K and V packed (``pack_k``, ``pack_v`` of the block): one query
+    """``tiles.fwd_row`` on K and V packed (``pack_k``, ``pack_v`` of the block): one query
     tile over its key tiles, merged into (acc, m, l) in place. ``q`` needs contiguous rows,
-    at any row stride; ``acc``, ``m``, ``l`` as ``cpu_tiles`` takes them."""
+    at any row stride; ``acc``, ``m``, ``l`` as ``tiles`` takes them."""
     _fwd_row(q, kp, vp, c0, c1, iv, lo, hi, g, _F(scale), acc, m, l)
 
 
@@ -273,7 +272,7 @@ def _array(dtype, ndim, layout="A", readonly=False):
     return types.Array(dtype, ndim, layout, readonly=readonly)
 
 
-# One compiled version of each function, as ``cpu_tiles`` does (any row stride, read-only
+# One compiled version of each function, as ``tiles`` does (any row stride, read-only
 # inputs), so every caller shares the machine code and the disk cache entry.
 _IN2, _OUT1, _OUT2 = _array(types.float32, 2, readonly=True), _array(types.float32, 1), _array(types.float32, 2)
 _PACKED, _PACKED_IN = _array(types.float32, 3, "C"), _array(types.float32, 3, "C", readonly=True)
@@ -285,9 +284,9 @@ _SIGNATURES = {
     _fwd_row: (_IN2, _PACKED_IN, _PACKED_IN) + _TILES + (types.float32, _OUT2, _OUT1, _OUT1),
     _fwd_rows: (_IN2, _PACKED_IN, _PACKED_IN) + _RUN + _TILES + (types.float32, _OUT2, _OUT1, _OUT1),
 }
-# The micro-kernel's IR (cpu_micro) and cpu_kernels' exp are compiled in: cached code
+# The micro-kernel's IR (micro) and kernels' exp are compiled in: cached code
 # older than any of the three files is flushed (``jit_cache``).
-jit_cache.guard(sys.modules[__name__], (cpu_kernels, cpu_micro))
+jit_cache.guard(sys.modules[__name__], (kernels, micro))
 _warm = None
 
 
@@ -307,5 +306,5 @@ def warm():
 def describe():
     """A phrase for the bench's preamble: the micro-kernel's shape and what its first use cost."""
     seconds = warm()
-    return (f"burstmpi's packed micro-kernel ({MR} x {NR} floats, {NR // 2}-float vectors; cpu_packed) where a "
+    return (f"burstmpi's packed micro-kernel ({MR} x {NR} floats, {NR // 2}-float vectors; cpu.packed) where a "
             f"block's keys meet 512 query rows or more (BURSTMPI_CPU_GEMM), ready in {seconds:.2f} s")

@@ -1,14 +1,13 @@
 """Threads for the CPU backend: a rank runs its tiles on the cores it owns.
 
 A tile's work is two or five GEMMs and a few elementwise sweeps; each is too small for
-BLAS to split well over threads (OpenBLAS reaches 85-100 GFLOP/s on two threads for a
-256 x 512 x 128 tile, where two tiles on two threads of one-threaded BLAS reach 123,
-measured on a 2-core EPYC). So the backend runs whole work items (a query tile of one
-KV head against the block, or a band of them in the backward; outside the tile loops, a
-range of tokens of a whole-block sweep) on ``n`` threads, each with one-threaded BLAS,
-and the compiled elementwise kernels release the GIL as NumPy's GEMMs do. An item writes
-only its own rows, and its tiles run in a fixed order, so the result does not depend on
-which thread ran what.
+BLAS to split well over threads (two tiles on two threads of one-threaded BLAS outrun one
+tile at a time on two-threaded OpenBLAS by a fifth or more). So the backend runs whole
+work items (a query tile of one KV head against the block, or a band of them in the
+backward; outside the tile loops, a range of tokens of a whole-block sweep) on ``n``
+threads, each with one-threaded BLAS, and the compiled elementwise kernels release the GIL
+as NumPy's GEMMs do. An item writes only its own rows, and its tiles run in a fixed order,
+so the result does not depend on which thread ran what.
 
 ``n`` is the cores this process may use divided by the ranks on its node
 (``BURSTMPI_THREADS`` overrides it), so ranks never oversubscribe their node; with one
@@ -138,8 +137,7 @@ class Workers:
 
             futures = [self._pool.submit(worker, s) for s in self.scratch[:len(items)]]
             # Poll every 2 ms while the transport has transfers in flight, then just wait
-            # (a third thread waking every 2 ms on 2 cores: an 8K x 8-head forward took 2141
-            # against 2036 ms, medians of 5, measured side by side).
+            # (a third thread waking every 2 ms on 2 cores cost ~5 % of a forward).
             polling = poll is not None and poll()
             while True:
                 done, pending = wait(futures, timeout=0.002 if polling else None)

@@ -3,8 +3,8 @@
 ``fwd_row`` merges one query tile's attention over every key tile it sees into the running
 state, ``bwd_row`` accumulates one query tile's gradients, and ``bwd_rows`` runs a run of
 query tiles in one call (``tile_plan.flatten`` lays it out): the Python around a call, its
-views, checks and numba's dispatch, cost ~50 us a tile, ~4 % of a block-sparse backward
-at 16K tokens over 4 ranks (3220 against 3040 ms, 2026-12-04). ``tile_ops`` has the same
+views, checks and numba's dispatch, cost a few per cent of a block-sparse backward paid
+tile by tile. ``numpy_tiles`` has the same
 loops in NumPy (the fallback and the float64 path), with the same signatures:
 
     q (n, d), do (n, dv)       a query tile's rows (token r // g owns row r), unscaled
@@ -24,20 +24,18 @@ row stride (BLAS's leading dimension), and inputs may be read-only. So a tile's 
 read where they lie in the caller's (B, C, heads, d) array (rows ``heads * d`` apart; they
 are read once, into ``qs``), and a packet's rows are used as received. The backend still
 copies the caller's own K and V once per block, where rows 4 KB apart measured slower in
-the GEMMs than a copy (``numpy_backend``). One compiled version of each loop takes all of
+the GEMMs than a copy (``backend``). One compiled version of each loop takes all of
 these (``_SIGNATURES``).
 
-Every GEMM is BLAS's ``sgemm`` called from the compiled code (``cpu_blas``), and ``beta =
+Every GEMM is BLAS's ``sgemm`` called from the compiled code (``blas``), and ``beta =
 1`` adds P @ V, P^T dO, dS K and dS^T Q into their accumulators directly, so no tile needs
 a temporary or an extra sweep. Q is scaled once per row, into the scratch ``qs``, as
-``tile_ops`` does:
+``numpy_tiles`` does:
 putting the scale in the GEMM's ``alpha`` instead rounds S differently, and on one
 ill-conditioned dq element of the test suite (5 ranks, scale 0.37) that tripled the error
 (9.7e-6 against 3.0e-6, where the rule allows 9.3e-6). Between the GEMMs run
-``cpu_kernels``' fused elementwise sweeps. A row holds the GIL only to enter:
+``kernels``' fused elementwise sweeps. A row holds the GIL only to enter:
 the backend's threads run rows side by side (``threads``), each with one-threaded BLAS.
-Measured on one AVX2 core (8K tokens, head dim 128): the forward's rows at 70 GFLOP/s,
-against 63 for the same kernels driven tile by tile from Python.
 """
 
 import sys
@@ -47,17 +45,18 @@ import numba
 import numpy as np
 from numba import njit, types
 
-from . import cpu_blas, cpu_kernels, jit_cache
-from .cpu_kernels import _FM, dsoftmax, probs, softmax_update, wide_vectors, widen  # noqa: F401 (widen: the ops interface)
+from .. import jit_cache
+from . import blas, kernels
+from .kernels import _FM, dsoftmax, probs, softmax_update, wide_vectors, widen  # noqa: F401 (widen: the ops interface)
 
-if cpu_blas.sgemm is None:  # the backend falls back to tile_ops (BURSTMPI_CPU_KERNELS=auto)
-    raise ImportError(f"the compiled tile loops need BLAS's sgemm: {cpu_blas.available()}")
+if blas.sgemm is None:  # the backend falls back to numpy_tiles (BURSTMPI_CPU_KERNELS=auto)
+    raise ImportError(f"the compiled tile loops need BLAS's sgemm: {blas.available()}")
 
 __all__ = ["fwd_row", "bwd_row", "bwd_rows", "widen", "warm", "describe", "name"]
 
-name = cpu_kernels.name
-_sgemm = cpu_blas.sgemm
-_R, _N, _T = cpu_blas.ROW_MAJOR, cpu_blas.NO_TRANS, cpu_blas.TRANS
+name = kernels.name
+_sgemm = blas.sgemm
+_R, _N, _T = blas.ROW_MAJOR, blas.NO_TRANS, blas.TRANS
 _ONE, _ZERO = np.float32(1.0), np.float32(0.0)
 
 
@@ -233,7 +232,7 @@ def _operands(names, arrays, inputs):
         good = x.dtype == np.float32 and x.flags.aligned if x.ndim == 1 else _matrix(x)
         if not good:
             if what not in inputs:
-                raise ValueError(f"cpu_tiles: {what} must be an aligned float32 array with contiguous rows "
+                raise ValueError(f"cpu.tiles: {what} must be an aligned float32 array with contiguous rows "
                                  f"(it is updated in place), got {x.dtype} with shape {x.shape} and strides {x.strides}")
             x = np.ascontiguousarray(x, dtype=np.float32)
         fixed.append(x)
@@ -288,9 +287,9 @@ _SIGNATURES = {
 }
 
 
-# The loops compile in cpu_kernels' sweeps and cpu_blas's binding: cached code older than
+# The loops compile in kernels' sweeps and blas's binding: cached code older than
 # any of the three files is flushed (``jit_cache``).
-jit_cache.guard(sys.modules[__name__], (cpu_kernels, cpu_blas))
+jit_cache.guard(sys.modules[__name__], (kernels, blas))
 _warm = None  # (seconds, loaded from the disk cache) of the first warm()
 
 
@@ -300,11 +299,11 @@ def warm():
     global _warm
     if _warm is None:
         t0 = time.perf_counter()
-        cpu_kernels.warm()
+        kernels.warm()
         for loop, signature in _SIGNATURES.items():
             loop.compile(signature)
             loop.disable_compile()  # every call converts to that signature
-        cached = cpu_kernels.cached() and all(sum(x.stats.cache_hits.values()) > 0 for x in _SIGNATURES)
+        cached = kernels.cached() and all(sum(x.stats.cache_hits.values()) > 0 for x in _SIGNATURES)
         _warm = (time.perf_counter() - t0, cached)
     return _warm[0]
 
@@ -314,5 +313,5 @@ def describe():
     seconds = warm()
     how = "loaded from the disk cache" if _warm[1] else "compiled (now cached on disk)"
     where = getattr(getattr(_fwd_row, "_cache", None), "_cache_path", None)
-    return (f"numba {numba.__version__} kernels and tile loops over {cpu_blas.describe()}, {how} in "
+    return (f"numba {numba.__version__} kernels and tile loops over {blas.describe()}, {how} in "
             f"{seconds:.2f} s on first use" + (f" ({where})" if where else ""))

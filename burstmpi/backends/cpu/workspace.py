@@ -3,11 +3,10 @@
 An 8K-token forward (8 heads x 128, one rank) allocates ~130 MB: the converted K and V,
 the fp32 accumulator and the output; a backward ~260 MB. glibc maps every array of 32 MB
 or more straight from the kernel and unmaps it on free, so allocated afresh on every call
-each of those bytes is a page fault the first time it is touched: on the 2-core AVX-512
-Xeon VM this project is measured on, a fresh 32 MB took 45-85 ms to fault in after a
-torch iteration, against ~5 ms reused, and with all of them reused (glibc's
-``MALLOC_MMAP_THRESHOLD_`` raised; two bench runs back to back) the 8K causal forward took
-529 ms instead of 651. So, as the GPU backend gets its memory from CuPy's pool:
+each of those bytes is a page fault the first time it is touched: a fresh 32 MB costs
+about ten times as long to fault in as reused memory takes to write, and with all of them
+reused (glibc's ``MALLOC_MMAP_THRESHOLD_`` raised) an 8K causal forward ran about a fifth
+faster. So, as the GPU backend gets its memory from CuPy's pool:
 
 - ``Workspace``: named arrays the backend works in (the converted K/V blocks, the
   accumulators; a worker's tile scratch), allocated on first use, grown when a call needs
@@ -15,7 +14,7 @@ torch iteration, against ~5 ms reused, and with all of them reused (glibc's
 - ``OutputPool``: the storage of the arrays handed to the caller, taken back only when
   the caller has dropped every array that uses it, for the next call's results.
 
-``plan.release()`` frees both.
+``BurstAttention.release()`` (through the backend's ``release``) frees both.
 """
 
 import collections
@@ -103,8 +102,8 @@ class OutputPool:
 
     A caller that runs attention in a loop drops the last call's results as the next call
     makes its own; without this pool every result is fresh memory from the kernel (see the
-    module's docstring: 40-80 ms of page faults per 32 MB output on the VM measured, while
-    the copy into it takes ~10). An array from ``empty`` is an ordinary writeable NumPy
+    module's docstring: the page faults of a fresh 32 MB output cost several times the copy
+    into it). An array from ``empty`` is an ordinary writeable NumPy
     array whose base owns the storage; only when no array uses it any more does the
     storage return here, so nothing the caller can still see is ever reused. The pool
     holds at most ``keep`` free blocks in all (one call's results: out, or dq, dk and dv),
