@@ -56,7 +56,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",
-    # cuda/ (the kernel sources) installs as burstmpi/cuda, where burstmpi.gpu.kernels looks
+    # cuda/ (the kernel sources) installs as burstmpi/cuda, where burstmpi._gpu.kernels looks
     # first; a checkout uses the top-level folder itself.
     packages=find_packages(include=["burstmpi", "burstmpi.*"]) + ["burstmpi.cuda"],
     package_dir={"burstmpi.cuda": "cuda"},

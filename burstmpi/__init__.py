@@ -4,9 +4,9 @@ The sequence is split across the ranks of an MPI communicator; blocks travel aro
 ring while each rank computes its part of exact attention. See README.md.
 """
 
-from .api import attention, attention_backward, release_cached, shard, shard_indices, unshard
-from .decode.cache import DecodeStats, KVCache
-from .plan import BurstAttention, PhaseStats, Stats
+from ._api import attention, attention_backward, release_cached, shard, shard_indices, unshard
+from ._decode.cache import DecodeStats, KVCache
+from ._plan import BurstAttention, PhaseStats, Stats
 
 __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices", "release_cached",
            "BurstAttention", "KVCache", "DecodeStats", "PhaseStats", "Stats", "__version__"]

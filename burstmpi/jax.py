@@ -33,8 +33,8 @@ import warnings
 
 import numpy as np
 
-from . import plan_cache
-from .validate import check_cu_seqlens, fingerprint
+from . import _plan_cache as plan_cache
+from ._validate import check_cu_seqlens, fingerprint
 
 __all__ = ["attention"]
 
@@ -105,7 +105,7 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     cu = check_cu_seqlens("burstmpi.jax.attention", cu_seqlens)
     options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
                    mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout, backend="cpu")
-    # The plan is the functional API's cache's (``burstmpi.plan_cache``: per communicator,
+    # The plan is the functional API's cache's (``burstmpi._plan_cache``: per communicator,
     # dropped with it); the traced function is kept per plan and documents (a function
     # holds its plan, so the plan's id is not reused while the entry lives).
     plan = plan_cache.run("burstmpi.jax.attention", comm, options, lambda plan: plan)

@@ -9,8 +9,8 @@ allows our error against float64 to be about twice that one's.
 
 import numpy as np
 
-from .interop import bfloat16
-from .masks.intervals import Bounds
+from ._interop import bfloat16
+from .masks._intervals import Bounds
 
 __all__ = ["visible", "forward", "backward", "rows", "key_rows", "random_problem", "ATOL",
            "flash_attn_rule"]

@@ -25,12 +25,12 @@ except ImportError as e:  # pragma: no cover - the message is the point
                       "does not") from e
 
 
-from . import plan_cache
+from . import _plan_cache as plan_cache
 
 __all__ = ["attention"]
 
 def _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout):
-    """The plan for these options, kept by the functional API's cache (``burstmpi.plan_cache``:
+    """The plan for these options, kept by the functional API's cache (``burstmpi._plan_cache``:
     per communicator, dropped with it) so its ring buffers are reused from step to step."""
     options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
                    mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)

@@ -42,7 +42,7 @@
 //     P V      thread (column chunk cg = tid % CG, row group rg = tid / CG) owns CW output
 //              columns of rows rg, rg + RG, ...: per key one vector load of V, reused for
 //              each of its rows. P is read from shared memory, 4 keys per 16-byte load.
-//   Shared memory (dynamic, bytes from burstmpi/gpu/kernels.py, decode_smem_bytes):
+//   Shared memory (dynamic, bytes from burstmpi/_gpu/kernels.py, decode_smem_bytes):
 //     K tiles  2 x BN x (D + 16 B)   } double buffered: tile i+1 loads while tile i computes
 //     V tiles  2 x BN x (DV + 16 B)  }
 //     Q        ROWS x (D + 4) fp32, pre-multiplied by scale * log2(e), loaded once

@@ -4,7 +4,7 @@
 //   grid  (ceil(Cq / BM), heads, batch) with BM = 16 * WARPS query rows per block;
 //   block WARPS * 32 threads; warp w owns query rows 16w .. 16w+15 of the block's tile.
 //   Query head h reads KV head h / (heads / kv_heads): GQA by index, never by copying.
-//   Shared memory (dynamic, bytes from burstmpi/gpu/kernels.py):
+//   Shared memory (dynamic, bytes from burstmpi/_gpu/kernels.py):
 //     Q tile  BM x D    loaded once
 //     K tile  BN x D    } reloaded for every key tile that is not masked away entirely;
 //     V tile  BN x DV   } K(i+1) loads during P V of tile i, V(i) during Q K^T of tile i
@@ -32,7 +32,7 @@
 // h = hk * group + gi may live in the user's (B, C, heads, d) layout or in the ring's
 // packets, grouped (B, kv_heads, C, group, d), alike. Key-side tensors (k, v, dk, dv) take
 // three: batch, token, KV head. The last (feature) axis is contiguous, and the rows of q,
-// k, v, dout start 16-byte aligned for cp.async (burstmpi/gpu/kernels.py checks that when it
+// k, v, dout start 16-byte aligned for cp.async (burstmpi/_gpu/kernels.py checks that when it
 // builds a launch).
 #include "tile.cuh"
 #include "mask.cuh"

@@ -1,9 +1,9 @@
-// Masks as per-row intervals of global token positions (burstmpi/masks/intervals.py, on the GPU).
+// Masks as per-row intervals of global token positions (burstmpi/masks/_intervals.py, on the GPU).
 //
 // Every mask burstmpi supports (causal, sliding windows, packed documents, and any mix of
 // them) gives each row of a block one interval of visible positions on the other side:
 // query row i sees the keys at positions [first(i), last(i)], key row j is seen by the
-// queries at [first(j), last(j)]. The host computes the bounds (masks.intervals.Mask.query_block /
+// queries at [first(j), last(j)]. The host computes the bounds (masks._intervals.Mask.query_block /
 // key_block) and the kernels receive them as int32 arrays, one entry per local row, next
 // to the other side's positions. Two facts make this cheap:
 //   * the per-element test is two integer compares against bounds held in registers, the

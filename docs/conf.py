@@ -49,7 +49,7 @@ exclude_patterns = ["_build", "_ext"]
 myst_heading_anchors = 3
 
 # The API reference documents the names as users import them (burstmpi.attention, not
-# burstmpi.api.attention), so the reference survives a move of modules inside the package.
+# burstmpi._api.attention), so the reference survives a move of modules inside the package.
 add_module_names = True
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # the signatures are keyword-heavy; the prose says the types

@@ -11,7 +11,7 @@ a window. Prints the seconds, and the resident memory planning added on top of w
 the process held before (the caller's block array and mask included there).
 
 Unlike the other examples, this one measures burstmpi's internals (the plan's geometry,
-``burstmpi.ring.geometry``, and the bench's memory probes): planning has no public entry of
+``burstmpi._ring.geometry``, and the bench's memory probes): planning has no public entry of
 its own, it runs inside a plan's first call.
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 
 from burstmpi.bench.memory import peak_bytes, reset_peak, rss_bytes
 from burstmpi.masks import BlockSparse, Sinks, Window
-from burstmpi.masks.intervals import Bounds
-from burstmpi.ring.geometry import Geometry
+from burstmpi.masks._intervals import Bounds
+from burstmpi._ring.geometry import Geometry
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20
 P = int(sys.argv[2]) if len(sys.argv) > 2 else 4

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.interop import bfloat16
+from burstmpi._interop import bfloat16
 
 COMM = MPI.COMM_WORLD
 RANK, NRANKS = COMM.Get_rank(), COMM.Get_size()
@@ -75,7 +75,7 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
     one; ``transport``: a transport class to build the plan's transport from; ``tag``
     prefixes the quantity names in the error table; ``mask``: a ``burstmpi.masks`` mask;
     ``record=False`` keeps the errors out of the table (runs meant to fail); ``head_parallel``:
-    the plan's (``burstmpi.heads``); ``topology``: the plan's ("flat", "two-level", "auto")."""
+    the plan's (``burstmpi._heads``); ``topology``: the plan's ("flat", "two-level", "auto")."""
     N = C * NRANKS if N is None else N
     q, k, v, do = ref.random_problem(B, N, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     opts = dict(causal=causal, window=window, softmax_scale=softmax_scale, mask=mask)
@@ -107,7 +107,7 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
 def check_fully_masked_rows(be, dtype, d):
     """A backend's local work on queries that see no key: out 0, lse -inf, no NaN anywhere,
     and zero gradients (lse -inf goes in as is: the backend must read it as +inf)."""
-    from burstmpi.masks.intervals import Bounds, Mask
+    from burstmpi.masks._intervals import Bounds, Mask
 
     mask, rng = Mask(Bounds(causal=True), 8), np.random.default_rng(0)
     q = rng.standard_normal((1, 1, 6, 2, d)).astype(dtype)

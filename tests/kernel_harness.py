@@ -1,8 +1,8 @@
 """Run cuda/*.cu on the CPU: build with g++ against tests/emulator, launch from NumPy.
 
 Test infrastructure, not a product path. :func:`build` compiles the exact source that
-``burstmpi.gpu.kernels.program()`` gives CuPy (or a variant of it, for seeded-mistake tests)
-into a shared library; :func:`launch` runs a :class:`burstmpi.gpu.kernels.Launch` on it with
+``burstmpi._gpu.kernels.program()`` gives CuPy (or a variant of it, for seeded-mistake tests)
+into a shared library; :func:`launch` runs a :class:`burstmpi._gpu.kernels.Launch` on it with
 the ``void** kernelParams`` convention of ``cuLaunchKernel``. :class:`Emulated` drives the
 kernels the way a ring step does (forward merge over key blocks, finalize, preprocess,
 dQ and dK/dV per block pair) on arrays surrounded by guard zones, so that reads past an
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from burstmpi.gpu import kernels
-from burstmpi.backends import KernelBackend
-from burstmpi.interop import bfloat16
+from burstmpi._gpu import kernels
+from burstmpi._backends import KernelBackend
+from burstmpi._interop import bfloat16
 
 EMULATOR = Path(__file__).resolve().parent / "emulator"
 CXX = shutil.which(os.environ.get("CXX", "g++"))
@@ -132,7 +132,7 @@ _CTYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": 
 
 
 def launch(lib, spec, schedule="forward/late", seed=0):
-    """Run one :class:`burstmpi.gpu.kernels.Launch` on the emulator library ``lib``."""
+    """Run one :class:`burstmpi._gpu.kernels.Launch` on the emulator library ``lib``."""
     if 0 in spec.grid:
         return
     holders = [_CTYPES[kind](value) for kind, value in spec.args]
@@ -172,12 +172,12 @@ class Guarded:
         return self.array.ctypes.data
 
     def strided(self, axes=(0, 1, 2)):
-        """burstmpi.gpu.kernels.Strided (key side) over the given (batch, token, head) axes."""
+        """burstmpi._gpu.kernels.Strided (key side) over the given (batch, token, head) axes."""
         st = [self.array.strides[a] // self.dtype.itemsize for a in axes]
         return kernels.Strided(self.ptr, *st)
 
     def grouped(self, group, axes=(0, 1, 2)):
-        """burstmpi.gpu.kernels.Grouped (query side) of an array with (batch, token, head) axes."""
+        """burstmpi._gpu.kernels.Grouped (query side) of an array with (batch, token, head) axes."""
         return kernels.Grouped.of_heads(*self.strided(axes), group)
 
     def intact(self):
@@ -192,7 +192,7 @@ class Emulated:
 
     Arrays are in the user's layout: q, dout (B, C, Z, d|dv); k, v (B, C, Zkv, d|dv); the
     running state acc (B, C, Z, dv) and m, l (B, C, Z) in fp32; lse (B, Z, C). Masks are
-    ``burstmpi.masks.intervals.Block`` s, as the ring hands them to a backend: a query block's
+    ``burstmpi.masks._intervals.Block`` s, as the ring hands them to a backend: a query block's
     first/last bound the keys each row sees, a key block's the queries that see each row.
     """
 

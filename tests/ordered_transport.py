@@ -23,7 +23,7 @@ import contextlib
 import numpy as np
 from mpi4py import MPI
 
-from burstmpi.transport.mpi import MPITransport
+from burstmpi._transport.mpi import MPITransport
 
 __all__ = ["InOrderTransport", "MisPaired"]
 

@@ -53,7 +53,7 @@ def _exists(dotted):
 
 def imports():
     """{(importer, imported)} over burstmpi's modules, each imported name resolved to the
-    module that defines it (``from .ring import flat`` is ``burstmpi.ring.flat``)."""
+    module that defines it (``from ._ring import flat`` is ``burstmpi._ring.flat``)."""
     edges = set()
     for path in PACKAGE.rglob("*.py"):
         me = _module(path)
@@ -144,7 +144,7 @@ def test_no_module_over_about_500_lines():
     assert not long, f"split these (one sitting's reading is about 500 lines): {long}"
 
 
-BELOW_THE_PLAN = ("ring", "transport", "backends", "masks")
+BELOW_THE_PLAN = ("_ring", "_transport", "_backends", "masks")
 PLAN_WORDS = {"plan", "BurstAttention", "KVCache"}  # names that would hold or make a plan
 PLAN_ATTRIBUTES = {"runtime", "last_stats", "last_call", "_rings", "_heads", "head_parallel"}  # only a plan has them
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import burstmpi
-from burstmpi.config import FIELDS, Settings
+from burstmpi._config import FIELDS, Settings
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "configuration.md"
 ROW = re.compile(r"^\| `(BURSTMPI_\w+)` \| (.+?) \| (.+?) \| .+ \|$")

@@ -32,7 +32,7 @@ SAME = "the same bits on every rank: True"
 # The names examples may import: what a user can rely on across releases.
 PUBLIC = {"burstmpi", "burstmpi.masks", "burstmpi.reference", "burstmpi.torch", "burstmpi.jax"}
 # Examples that measure internals on purpose, and why.
-INTERNAL = {"mask_planning.py": "times the planner (burstmpi.ring.geometry), which runs inside a plan's first call"}
+INTERNAL = {"mask_planning.py": "times the planner (burstmpi._ring.geometry), which runs inside a plan's first call"}
 
 pytestmark = [
     pytest.mark.skipif(NRANKS > 1 or os.environ.get("BURSTMPI_UNDER_MPIEXEC") == "1",

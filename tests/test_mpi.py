@@ -143,7 +143,7 @@ def test_exception_on_one_rank_ends_the_job(where):
         import numpy as np
         from mpi4py import MPI
         import burstmpi
-        from burstmpi.backends import CpuBackend
+        from burstmpi._backends import CpuBackend
         rank = MPI.COMM_WORLD.Get_rank()
         q = np.zeros((1, 64, 2, 16), np.float32)
         if rank == 1:
@@ -169,7 +169,7 @@ def test_in_order_transport_hangs_on_unpaired_groups():
         import sys
         import numpy as np
         from mpi4py import MPI
-        from burstmpi.transport.mpi import MPITransport
+        from burstmpi._transport.mpi import MPITransport
         from ordered_transport import InOrderTransport
         comm = MPI.COMM_WORLD
         t = (InOrderTransport if sys.argv[1] == "in-order" else MPITransport)(comm)
@@ -195,7 +195,7 @@ def test_device_error_on_one_rank_aborts_the_job_with_its_rank():
         import numpy as np
         from mpi4py import MPI
         import burstmpi
-        from burstmpi.backends import CpuBackend
+        from burstmpi._backends import CpuBackend
         class CUDARuntimeError(RuntimeError):
             pass
         CUDARuntimeError.__module__ = "cupy_backends.cuda.api.runtime"

@@ -1,5 +1,5 @@
 """The watchdog: every wait on other ranks ends within its deadline, with one line naming
-who it waited for, and the job ends with exit code 75 (``burstmpi.transport.watchdog``).
+who it waited for, and the job ends with exit code 75 (``burstmpi._transport.watchdog``).
 
 The multi-rank cases run ``mpiexec`` in a subprocess (``test_mpi.mpiexec``: a hard timeout
 kills the whole process group, so a watchdog that fails to fire fails the test instead of
@@ -13,7 +13,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-from burstmpi.transport import watchdog
+from burstmpi._transport import watchdog
 from test_mpi import mpiexec, pytestmark as under_mpiexec  # noqa: F401  (skips alike)
 
 pytestmark = under_mpiexec
@@ -72,7 +72,7 @@ def test_a_rank_stuck_inside_the_ring_is_named_by_its_neighbour():
     """Rank 1 stops answering in the middle of the forward (its tiles never return): its
     neighbour names it, with the ring's transfer it waited for."""
     lines, _ = _ends_by_watchdog("""
-        from burstmpi.backends import CpuBackend
+        from burstmpi._backends import CpuBackend
         call()
         if rank == 1:
             CpuBackend.fwd_block = lambda *a, **k: time.sleep(600)
@@ -98,7 +98,7 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job_without_mpi4py_runner():
 def test_the_bench_keeps_its_deadline_on_its_own_collectives():
     """``guarded``: a pickled collective one rank never joins ends the job by the deadline."""
     lines, _ = _ends_by_watchdog(f"""
-        from burstmpi.transport.watchdog import guarded
+        from burstmpi._transport.watchdog import guarded
         comm = guarded(MPI.COMM_WORLD, {TIMEOUT}, who="test")
         assert isinstance(comm, MPI.Intracomm) and comm.Dup()._timeout == {TIMEOUT}  # a plan's private copy
         if rank != 2:
@@ -167,7 +167,7 @@ def test_timeout_must_be_positive_seconds(bad):
 
 
 def test_the_environment_sets_the_default_and_the_old_name_warns(monkeypatch):
-    from burstmpi.config import settings
+    from burstmpi._config import settings
 
     monkeypatch.delenv("BURSTMPI_TIMEOUT", raising=False)
     monkeypatch.delenv("BURSTMPI_NCCL_TIMEOUT", raising=False)
@@ -192,7 +192,7 @@ def test_who_names_world_ranks_and_their_hosts():
 def test_mpich_node_segments_are_unlinked_once_mapped(tmp_path, monkeypatch):
     """MPI_Abort leaves MPICH's node segment in /dev/shm; burstmpi unlinks the names this
     process maps (and only MPICH's: another program's shared memory is not its business)."""
-    from burstmpi.transport import shm
+    from burstmpi._transport import shm
 
     monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
     ours, theirs = tmp_path / "mpich_shm_1a2b_0", tmp_path / "torch_123"

@@ -11,7 +11,7 @@ preamble, one row per configuration, footer, ``-J`` JSON rows, ``--baseline`` re
 mode, ``--junit``), check each row's memory before it runs (``burstmpi.bench.memory``) and
 exit non-zero when a value is wrong (1), a row did not fit in memory (4) or a
 configuration regressed (3). Every wait on other ranks has a deadline (``--timeout``): past
-it the watchdog ends the job with exit 75 (``burstmpi.transport.watchdog``). SIGINT or
+it the watchdog ends the job with exit 75 (``burstmpi._transport.watchdog``). SIGINT or
 SIGTERM write the rows done (``-J``, ``--junit``) and exit 130 or 143
 (``burstmpi.bench.interrupt``).
 """
@@ -21,10 +21,10 @@ import os
 import click
 from mpi4py import MPI
 
-from ..config import settings
-from ..masks.layout import LAYOUTS
-from ..transport import watchdog
-from ..validate import TOPOLOGIES
+from .._config import settings
+from ..masks._layout import LAYOUTS
+from .._transport import watchdog
+from .._validate import TOPOLOGIES
 from . import attention, decode as decode_mode
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
 from .common import DTYPES, comma_list, cpu_line, legend, parse_bytes, parse_counts, parse_size, parse_window, say
@@ -79,7 +79,7 @@ def _topologies(value):
 @click.option("--internode-gbps", default=None, type=click.FloatRange(0, min_open=True), metavar="X",
               help="A simulation aid: transfers between nodes (BURSTMPI_RANKS_PER_NODE fakes them) take at least "
                    "bytes / (X GB/s), as over a network of X GB/s per rank; sets BURSTMPI_INTERNODE_GBPS "
-                   "(burstmpi.transport.slowlinks). Host arrays over MPI.")
+                   "(burstmpi._transport.slowlinks). Host arrays over MPI.")
 @click.option("--torch/--no-torch", "use_torch", default=False, show_default=True,
               help="Also time PyTorch scaled_dot_product_attention on the global problem (rank 0).")
 @click.option("--trace-memory", is_flag=True,
@@ -148,7 +148,7 @@ def main(ctx, **opts):
                                          mode.LEGEND)))
         return
     gbps = opts.pop("internode_gbps")
-    if gbps is not None:  # every plan of the run reads it (burstmpi.config)
+    if gbps is not None:  # every plan of the run reads it (burstmpi._config)
         os.environ["BURSTMPI_INTERNODE_GBPS"] = repr(gbps)
     # A signal before the first row (a first use compiles for a while) ends the job too; the
     # sweep then reports its rows in this one's place (``burstmpi.bench.interrupt``).

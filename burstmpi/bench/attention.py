@@ -18,7 +18,7 @@ of the same per-rank shape, timed side by side between the ring's iterations), s
 steps, the load imbalance, memory, and ``#wrong`` (sampled rows of out, lse, dq, dk, dv
 against float64; the job exits 1 if any is wrong). ``--torch`` times PyTorch's
 scaled_dot_product_attention on the whole problem on rank 0, an iteration after each of
-ours; ``--docs SPEC`` packs every length with documents (``burstmpi.masks.packing``) and also
+ours; ``--docs SPEC`` packs every length with documents (``burstmpi.masks._packing``) and also
 runs them the way ring-attention peers force users to, each padded to a multiple of 2P
 and run as its own zigzag sequence; ``--trace-memory`` traces a first forward and
 backward's NumPy allocations. With --backend cuda (the default "auto" picks it when every
@@ -49,12 +49,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import reference
-from ..api import shard_indices, unshard
-from ..masks import packing
-from ..masks.intervals import Bounds, Mask
-from ..masks.layout import LAYOUTS
-from ..plan import BurstAttention
-from ..transport.nodes import nodes
+from .._api import shard_indices, unshard
+from ..masks import _packing as packing
+from ..masks._intervals import Bounds, Mask
+from ..masks._layout import LAYOUTS
+from .._plan import BurstAttention
+from .._transport.nodes import nodes
 from .columns import (ALL_COLUMNS, COLUMNS, CONFIG_KEYS, HEAD_COLUMNS, LEGEND, MASK_COLUMNS, MEMORY_COLUMNS,
                       NODE_COLUMNS, PADDED_COLUMNS, PRESETS, TORCH_COLUMNS)
 from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, deadline, np_dtype,
@@ -163,7 +163,7 @@ def _local_kernel_s(plan, q, k, v, do, dev, start):
     rank's own q against its own k, v: the single-device work one ring step does.
     ``start()`` (a barrier) precedes each, so the ranks run it side by side as they run
     the ring."""
-    from ..ring.flat import grouped_rows
+    from .._ring.flat import grouped_rows
 
     be = plan.backend
     B, C, Z, d = q.shape

@@ -13,7 +13,7 @@ every core while the other ranks wait. The library itself never sets affinity.
 
 import os
 
-from ..backends.cpu.threads import node_masks
+from .._backends.cpu.threads import node_masks
 
 __all__ = ["core_for", "bind_ranks"]
 

@@ -68,7 +68,7 @@ MASK_COLUMNS = [
 HEAD_COLUMNS = [("ring", "ring", "", 9, "s"), ("hp", "head", "par", 4, "d")]
 
 
-# Shown where the ranks span several nodes (burstmpi.transport.nodes: BURSTMPI_RANKS_PER_NODE
+# Shown where the ranks span several nodes (burstmpi._transport.nodes: BURSTMPI_RANKS_PER_NODE
 # makes one machine play several).
 NODE_COLUMNS = [("intra_mb", "intra", "MB/rk", 8, ".1f"), ("inter_mb", "inter", "MB/rk", 8, ".1f")]
 

@@ -14,7 +14,7 @@ regressed, else 0; SIGINT or SIGTERM keep the rows done and exit 130 or 143
 ``--legend``.
 
 Every wait of the bench on other ranks has the watchdog's deadline (``--timeout``;
-``burstmpi.transport.watchdog``): its communicator is ``watchdog.guarded`` (the pickled
+``burstmpi._transport.watchdog``): its communicator is ``watchdog.guarded`` (the pickled
 collectives), its barriers complete within ``deadline(comm)``, and the few blocking calls
 that have no deadline of their own (splitting a communicator) run inside
 ``guard``. On expiry the job ends with exit 75.
@@ -32,12 +32,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__
-from ..backends.cpu.threads import cores, node_masks, shares_cores
-from ..config import settings
-from ..interop import bfloat16
-from ..sizes import parse_bytes, parse_size
-from ..transport import watchdog
-from ..transport.nodes import nodes
+from .._backends.cpu.threads import cores, node_masks, shares_cores
+from .._config import settings
+from .._interop import bfloat16
+from .._sizes import parse_bytes, parse_size
+from .._transport import watchdog
+from .._transport.nodes import nodes
 from . import regress, results
 from .results import say
 from .binding import bind_ranks
@@ -133,7 +133,7 @@ def blas_threads(comm):
 def _cpu_ops():
     """The CPU backend's tile loops as configured (``cpu.numpy_tiles`` or ``cpu.tiles``) and its
     packed path (``cpu.packed`` or None), or why they are unavailable (a string)."""
-    from ..backends.cpu import CpuBackend
+    from .._backends.cpu import CpuBackend
 
     try:
         backend = CpuBackend(kernels=settings().cpu_kernels, gemm=settings().cpu_gemm)
@@ -145,7 +145,7 @@ def _cpu_ops():
 def cpu_kernels_line(comm):
     """The CPU backend's tile loops (compiled, and over which sgemm, or NumPy's), its threads
     per rank, and what their first use cost (compiling, or loading from numba's disk cache)."""
-    from ..backends.cpu.threads import threads_per_rank
+    from .._backends.cpu.threads import threads_per_rank
 
     with guard(comm, "the split of the ranks by node (tile threads)"):
         threads = threads_per_rank(comm, settings().threads)
@@ -240,7 +240,7 @@ def backend_line(comm, dev, transport="auto"):
     Collective on GPUs: the transport is chosen from every rank's facts, as the runtime
     chooses it (NCCL where every rank has it and no two ranks share a GPU)."""
     if dev.backend == "cuda":
-        from ..transport import nccl
+        from .._transport import nccl
 
         facts = comm.allgather((socket.gethostname(), dev.cupy.cuda.Device().id, nccl.available()))
         shared = len({(host, gpu) for host, gpu, _ in facts}) < len(facts)
@@ -255,7 +255,7 @@ def backend_line(comm, dev, transport="auto"):
         return "cpu (unavailable: see the CPU kernels line)"
     if not hasattr(ops[0], "describe"):
         return "cpu (NumPy tile loops over NumPy's BLAS)"
-    from ..backends.cpu import blas as cpu_blas
+    from .._backends.cpu import blas as cpu_blas
 
     packed = "burstmpi's packed micro-kernel and " if ops[1] is not None else ""
     return f"cpu (numba tiles over {packed}{cpu_blas.short_name()} sgemm)"
@@ -276,7 +276,7 @@ def legend(columns, definitions):
 
 
 def reads_in_place(comm, dev, budget, transport="auto"):
-    """Will the ring's host packets live in a shared window (``burstmpi.transport.shm``), as the
+    """Will the ring's host packets live in a shared window (``burstmpi._transport.shm``), as the
     runtime's ``transport="auto"`` (or ``"shm"``) picks: host arrays, ranks all on one node?"""
     return dev.backend == "cpu" and comm.Get_size() > 1 and transport in ("auto", "shm") \
         and budget.node_size == comm.Get_size()
@@ -297,7 +297,7 @@ def resolve_device(comm, backend):
     cupy = None
     if backend in ("auto", "cuda"):
         try:
-            from ..gpu.device import import_cupy
+            from .._gpu.device import import_cupy
 
             cupy = import_cupy("burstmpi-bench")
         except (NotImplementedError, RuntimeError) as e:

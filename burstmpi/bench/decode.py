@@ -21,10 +21,10 @@ pieces (``KVCache.load`` appends), so a row needs little beyond the cache itself
 import numpy as np
 from mpi4py import MPI
 
-from ..decode.cache import KVCache
-from ..masks.layout import layout_of
-from ..transport import watchdog
-from ..transport.comm import Channel
+from .._decode.cache import KVCache
+from ..masks._layout import layout_of
+from .._transport import watchdog
+from .._transport.comm import Channel
 from .common import (DTYPES, REDUCE, TOLERANCE, budget_for, choices, idle_barrier, np_dtype, reads_in_place,
                      resolve_device, say, seqlens, sweep, timed)
 from .estimates import CHECK_BYTES, ONE_RANK, capacity, decode_stages, piece_tokens

@@ -38,11 +38,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import reference as ref
-from ..decode.cache import KVCache
-from ..gpu import kernels
-from ..gpu.device import import_cupy
-from ..interop import bfloat16
-from ..plan import BurstAttention
+from .._decode.cache import KVCache
+from .._gpu import kernels
+from .._gpu.device import import_cupy
+from .._interop import bfloat16
+from .._plan import BurstAttention
 
 __all__ = ["main"]
 
@@ -188,8 +188,8 @@ def check_interop(rep):
 
 def ranks_worker(transport, seqlen_local):
     """Run by each rank under mpiexec: the ring on the GPU against float64."""
-    from ..config import settings
-    from ..transport import watchdog
+    from .._config import settings
+    from .._transport import watchdog
 
     # Its collectives under the watchdog's deadline (BURSTMPI_TIMEOUT), as burstmpi-bench's.
     comm = watchdog.guarded(MPI.COMM_WORLD, settings().timeout, who="burstmpi.bench.gpucheck")
@@ -197,7 +197,7 @@ def ranks_worker(transport, seqlen_local):
     bad = []
     import cupy
 
-    from ..api import shard, unshard
+    from .._api import shard, unshard
 
     n = P * seqlen_local
     docs = np.array([0, 1, n // 3, n // 3, n // 2 + 7, n - 5])  # any length, packed documents

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from ..transport.watchdog import abort
+from .._transport.watchdog import abort
 
 __all__ = ["Interrupts", "SIGNALS", "GRACE_S", "exit_code"]
 

@@ -8,7 +8,7 @@ Times ``--calls`` calls of ``burstmpi.attention(q, k, v, ...)`` against as many 
 after a warm-up of both, in ``--rounds`` rounds that alternate which goes first. Each
 figure is a round's wall time over the ranks' maximum, per call; the line ``ratio`` is the
 median over rounds of (functional / plan). ``burstmpi.attention`` reuses a cached plan
-(``burstmpi.plan_cache``), so the ratio should be close to 1; before the cache it made a
+(``burstmpi._plan_cache``), so the ratio should be close to 1; before the cache it made a
 plan (a new runtime, node discovery, a cold workspace) on every call.
 
 Runs as a plain script too (``python -m mpi4py path/to/overhead.py``), against whichever

@@ -25,7 +25,7 @@ import click
 import numpy as np
 
 from ..masks import BlockSparse, Chunked, Sinks, Window
-from ..sizes import suffixed
+from .._sizes import suffixed
 
 __all__ = ["DENSE", "PATTERNS", "check_spec", "build"]
 

@@ -105,8 +105,8 @@ def _run_burstmpi(args, out_dir):
 
     import burstmpi
 
-    from ..config import settings
-    from ..transport import watchdog
+    from .._config import settings
+    from .._transport import watchdog
 
     # Its collectives under the watchdog's deadline (BURSTMPI_TIMEOUT), as burstmpi-bench's.
     comm = watchdog.guarded(MPI.COMM_WORLD, settings().timeout, who="burstmpi.bench.ringpeer")

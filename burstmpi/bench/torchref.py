@@ -3,7 +3,7 @@ on rank 0 side by side with burstmpi's iterations (``burstmpi.bench.attention``)
 
 import numpy as np
 
-from ..api import unshard
+from .._api import unshard
 from .common import cores, guard, idle_barrier, wall
 
 __all__ = ["torch_timer"]

@@ -17,7 +17,7 @@ from dataclasses import asdict
 import click
 import numpy as np
 
-from ..sizes import parse_size
+from .._sizes import parse_size
 from .flat import MACHINES, Machine, Shape, predict, recommend
 from .topology import RINGS, predict_ring, scale_row
 
@@ -125,8 +125,8 @@ def pingpong(mbytes):
     ``check`` and ``predict`` want for the links."""
     from mpi4py import MPI
 
-    from ..config import settings
-    from ..transport.watchdog import guard
+    from .._config import settings
+    from .._transport.watchdog import guard
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:

@@ -10,7 +10,7 @@ next block travels (double buffering), so a step takes the longest of all ranks'
 max(compute, transfer), and a rank's exposed time is what it spends beyond its own
 compute. Compute counts exactly the visible (query, key) pairs of each (holder, owner)
 block pair (causal, sliding windows, all three layouts) at the device's dense-block
-throughput; transfers use the bytes ``burstmpi.ring.flat`` actually moves (the ``Schedule``
+throughput; transfers use the bytes ``burstmpi._ring.flat`` actually moves (the ``Schedule``
 decides which steps send) over the slowest link of the ring, intra-node when the ring
 stays in one node. What it leaves out: kernel efficiency on partly masked tiles, and
 contention between the ranks that share a node's network link.
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..masks.intervals import Bounds, Mask, count_visible
-from ..masks.layout import LAYOUTS, Layout
-from ..ring import flat as ring
-from ..ring.schedule import Schedule, pair_matrix
-from ..transport.comm import Channel, PartialChannel
+from ..masks._intervals import Bounds, Mask, count_visible
+from ..masks._layout import LAYOUTS, Layout
+from .._ring import flat as ring
+from .._ring.schedule import Schedule, pair_matrix
+from .._transport.comm import Channel, PartialChannel
 
 __all__ = ["Machine", "MACHINES", "visible_pairs", "predict", "recommend"]
 
@@ -98,12 +98,12 @@ def _link(machine, node_of, r, peer, nbytes):
 
 
 def _two_way_phase(shape, machine, P, pairs, needs, node_of):
-    """The two-way backward (``burstmpi.ring.twoway``) in lockstep: K/V and the query side each
+    """The two-way backward (``burstmpi._ring.twoway``) in lockstep: K/V and the query side each
     travel their arcs both ways, no partial; a rank computes dQ against every K/V block it
     receives (3 of the backward's 5 GEMMs) and dK/dV against every query block (4 of 5),
     its own block once in full. Each step's transfers to the two neighbours run side by
     side. Returns what ``_phase`` does."""
-    from ..ring.twoway import TwoWaySchedule
+    from .._ring.twoway import TwoWaySchedule
 
     B, Z, Zkv, d, dv = shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.head_dim_v
     dt, acc = dtypes(shape)

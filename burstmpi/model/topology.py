@@ -4,13 +4,13 @@ simulation, extended).
 
 * **flat**: ``flat._phase`` with each hop's link (NVLink-class inside a node, the
   network between nodes) taken from the ranks' nodes.
-* **two-level** (``burstmpi.ring.twolevel``): per cycle, g lockstep steps whose inner hops run
+* **two-level** (``burstmpi._ring.twolevel``): per cycle, g lockstep steps whose inner hops run
   inside the node, against one network transfer per rank overlapped with the whole cycle
   (the backward's: the travelling block and, from the second cycle, the last cycle's
   partial going home; the last partial is exposed). "two-way" moves the K/V and query
   packets each way and no partial, and computes the backward as two passes (7 GEMMs a
   block pair instead of 5, as the host backend does).
-* **head parallelism** (``burstmpi.heads``): the ring of P/u groups with u times the
+* **head parallelism** (``burstmpi._heads``): the ring of P/u groups with u times the
   tokens and 1/u of the heads per rank, plus its all-to-alls inside the node (not
   overlapped: they run before and after the ring).
 
@@ -23,12 +23,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..masks.intervals import Bounds, Mask
-from ..masks.layout import Layout
-from ..ring import flat as ring
-from ..ring.schedule import pair_matrix
-from ..ring.twolevel import block_owner, choose_mode
-from ..transport.nodes import Nodes
+from ..masks._intervals import Bounds, Mask
+from ..masks._layout import Layout
+from .._ring import flat as ring
+from .._ring.schedule import pair_matrix
+from .._ring.twolevel import block_owner, choose_mode
+from .._transport.nodes import Nodes
 from .flat import _phase, dtypes, work
 
 __all__ = ["predict_ring", "choose_topology", "scale_row", "RINGS"]

@@ -5,7 +5,7 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.backends import CpuBackend
+from burstmpi._backends import CpuBackend
 
 from conftest import NRANKS, RANK, check_fully_masked_rows, needs_ranks
 

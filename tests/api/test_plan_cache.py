@@ -1,4 +1,4 @@
-"""The functional API's cached plans (issue 45, item 2; ``burstmpi.plan_cache``).
+"""The functional API's cached plans (issue 45, item 2; ``burstmpi._plan_cache``).
 
 ``burstmpi.attention`` and ``attention_backward`` reuse a plan per communicator and
 plan-shaping arguments: the same bits as a fresh ``BurstAttention``, no new plan (and no
@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import burstmpi
-from burstmpi import plan_cache, runtime
+from burstmpi import _plan_cache as plan_cache, _runtime as runtime
 from burstmpi import reference as ref
 from burstmpi.masks import Sinks
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import burstmpi
-import burstmpi.decode.cache
-import burstmpi.plan
+import burstmpi._decode.cache
+import burstmpi._plan
 from burstmpi import reference as ref
 
 from conftest import NRANKS
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 def runtimes(monkeypatch):
     """The ``timeout`` of every Runtime made from here on (plans and caches)."""
     seen = []
-    for module in (burstmpi.plan, burstmpi.decode.cache):
+    for module in (burstmpi._plan, burstmpi._decode.cache):
         real = module.Runtime
 
         def spy(*args, _real=real, **kw):

@@ -9,8 +9,8 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.masks.layout import Layout, split_sizes
-from burstmpi.masks.intervals import Bounds, Mask
+from burstmpi.masks._layout import Layout, split_sizes
+from burstmpi.masks._intervals import Bounds, Mask
 
 from conftest import COMM, DTYPES, NRANKS, RANK, check_against_float64, needs_ranks, random_docs
 
@@ -43,8 +43,8 @@ def test_zigzag_places_documents_whole_or_zigzagged_and_balances_work(P, spec):
     """Each document lies on one rank, or is zigzagged (rank r: chunks r and 2P-1-r, the
     middle two merged on rank P-1, chunk sizes within one token); documents shorter than
     2P are whole; causal work is balanced within a few percent."""
-    from burstmpi.masks import packing
-    from burstmpi.ring.schedule import pair_matrix
+    from burstmpi.masks import _packing as packing
+    from burstmpi._ring.schedule import pair_matrix
 
     N = 4000
     cu = (np.array([0, 1500, 1503, 1900, 2300, 2301, 2700, 3100, 3500, N]) if spec == "mixed"
@@ -250,7 +250,7 @@ def test_only_rows_other_ranks_see_travel():
     """A packet carries the rows some other rank sees, not the whole block: with a window
     of 3 on 40-token blocks, the 3 rows at each end of a block; with documents, the rows
     of the documents that cross a rank boundary."""
-    from burstmpi.ring.flat import nbytes, packet_fields
+    from burstmpi._ring.flat import nbytes, packet_fields
 
     C = 40
     plan, _ = check_against_float64(N=C * NRANKS, C=C, window=(3, 3), layout="contiguous", d=16,

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(NRANKS > 1, reason="spawns its own interpreters;
 
 def _have_mkl():
     """Can this environment load a oneMKL runtime under the names ``cpu.blas`` looks for?"""
-    from burstmpi.backends.cpu.blas import _MKL_NAMES
+    from burstmpi._backends.cpu.blas import _MKL_NAMES
 
     if glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")):
         return True
@@ -43,12 +43,12 @@ HAVE_MKL = _have_mkl()
 _CHILD = r"""
 import json, sys
 import numpy as np
-from burstmpi.backends.cpu import blas as cpu_blas
+from burstmpi._backends.cpu import blas as cpu_blas
 info = {"why": cpu_blas.available(), "library": list(cpu_blas.library or ())}
 if len(sys.argv) > 1 and not info["why"]:
     import burstmpi
     from burstmpi import reference as ref
-    from burstmpi.backends.cpu import tiles as cpu_tiles
+    from burstmpi._backends.cpu import tiles as cpu_tiles
     info["kernels"] = cpu_tiles.describe()
     q, k, v, do = ref.random_problem(1, 1000, 4, 2, 64, dtype=np.float32, seed=5)
     plan = burstmpi.BurstAttention(causal=True)
@@ -133,7 +133,7 @@ def test_mkl_results_within_the_rule_and_reproducible(tmp_path):
 
 
 def test_blas_setting_names_the_variable(monkeypatch):
-    from burstmpi.config import settings
+    from burstmpi._config import settings
 
     monkeypatch.setenv("BURSTMPI_BLAS", "openblas")
     with pytest.raises(ValueError, match=r"BURSTMPI_BLAS: expected one of \['auto', 'mkl', 'numpy'\], got 'openblas'"):

@@ -11,15 +11,15 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.backends.cpu import CpuBackend, numpy_tiles
-from burstmpi.backends.cpu.tile_plan import bands as _bands
-from burstmpi.backends.cpu.threads import Workers, threads_per_rank
-from burstmpi.config import settings
-from burstmpi.interop import bfloat16
+from burstmpi._backends.cpu import CpuBackend, numpy_tiles
+from burstmpi._backends.cpu.tile_plan import bands as _bands
+from burstmpi._backends.cpu.threads import Workers, threads_per_rank
+from burstmpi._config import settings
+from burstmpi._interop import bfloat16
 
 from conftest import DTYPES, NRANKS, check_against_float64, check_fully_masked_rows
 
-ck = pytest.importorskip("burstmpi.backends.cpu.kernels", reason="numba is not installed")
+ck = pytest.importorskip("burstmpi._backends.cpu.kernels", reason="numba is not installed")
 
 RNG = np.random.default_rng(7)
 
@@ -105,7 +105,7 @@ def test_row_loops_match_numpy(g):
     """``cpu.tiles.fwd_row`` / ``bwd_row`` (BLAS called from compiled code, alpha and beta
     doing the scale and the accumulation) against ``cpu.numpy_tiles``': whole and partial key tiles
     of unequal widths, GQA rows, a running state carried in, each side's gradients skipped."""
-    ct = pytest.importorskip("burstmpi.backends.cpu.tiles", reason="no sgemm to call from compiled code")
+    ct = pytest.importorskip("burstmpi._backends.cpu.tiles", reason="no sgemm to call from compiled code")
     ntok, d, dv, Ck = 11, 24, 20, 70
     n = ntok * g
     q, do = (RNG.standard_normal((n, x)).astype(np.float32) for x in (d, dv))
@@ -164,7 +164,7 @@ def test_row_loops_take_any_row_stride(g):
     """The compiled loops read operands where they lie: q, k, v, dO (read-only, rows apart)
     and dq, dk, dv accumulators that are slices of wider arrays give bitwise the results of
     contiguous copies; a column-strided input is copied, not misread."""
-    ct = pytest.importorskip("burstmpi.backends.cpu.tiles", reason="no sgemm to call from compiled code")
+    ct = pytest.importorskip("burstmpi._backends.cpu.tiles", reason="no sgemm to call from compiled code")
     rng = np.random.default_rng(3)
     ntok, d, dv, Ck = 40, 16, 24, 96
     n = ntok * g
@@ -202,7 +202,7 @@ def test_row_loops_band_partial_tiles(g):
     """Partly visible tiles of more than one band (128 GEMM rows) run band by band over
     the columns each band sees: a causal diagonal, a window's band, and tokens that see
     nothing of the tile (a whole band skipped); against ``numpy_tiles``, forward and backward."""
-    ct = pytest.importorskip("burstmpi.backends.cpu.tiles", reason="no sgemm to call from compiled code")
+    ct = pytest.importorskip("burstmpi._backends.cpu.tiles", reason="no sgemm to call from compiled code")
     ntok, w, d = 300, 300, 16
     n = ntok * g
     t = np.arange(ntok)
@@ -291,10 +291,10 @@ def test_deterministic_and_inputs_unchanged(kernels, monkeypatch):
 
 
 def _forget(monkeypatch, *modules):
-    """Make ``burstmpi.backends.cpu``'s ``modules`` import afresh (for this test only)."""
+    """Make ``burstmpi._backends.cpu``'s ``modules`` import afresh (for this test only)."""
     for mod in modules:
-        monkeypatch.delitem(sys.modules, f"burstmpi.backends.cpu.{mod}", raising=False)
-        monkeypatch.delattr(sys.modules["burstmpi.backends.cpu"], mod, raising=False)
+        monkeypatch.delitem(sys.modules, f"burstmpi._backends.cpu.{mod}", raising=False)
+        monkeypatch.delattr(sys.modules["burstmpi._backends.cpu"], mod, raising=False)
 
 
 def test_fallback_without_numba(monkeypatch):
@@ -314,7 +314,7 @@ def test_fallback_without_numba(monkeypatch):
 def test_fallback_without_sgemm(monkeypatch):
     """No BLAS sgemm to call from compiled code (a BLAS without cblas, say): "auto" runs the
     NumPy loops, "numba" says why it cannot."""
-    from burstmpi.backends.cpu import blas as cpu_blas
+    from burstmpi._backends.cpu import blas as cpu_blas
 
     monkeypatch.setattr(cpu_blas, "sgemm", None)
     monkeypatch.setattr(cpu_blas, "_why", "no cblas_sgemm found in the loaded BLAS libraries (test)")
@@ -394,7 +394,7 @@ def test_bands_cut_work_evenly_and_in_order():
 def test_query_tiles_grow_when_the_keys_are_few():
     """A rank's queries against a packet of 4 sinks: one item per 16 query tiles, not a
     tiny GEMM each; a block of a tile's width of keys keeps the usual tiles."""
-    from burstmpi.masks.intervals import Block
+    from burstmpi.masks._intervals import Block
     be = CpuBackend(tile_q=64, tile_k=64)
     n = 64 * 40
     qb = Block(np.arange(100, 100 + n), np.zeros(n, np.int64), np.full(n, 3), np.zeros(n, np.int64))

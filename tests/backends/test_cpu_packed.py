@@ -1,4 +1,4 @@
-"""The forward on the micro-kernel (``burstmpi.backends.cpu.packed``: K and V packed once)
+"""The forward on the micro-kernel (``burstmpi._backends.cpu.packed``: K and V packed once)
 against the NumPy tile loops and, end to end, against float64.
 
 Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs it at 2, 3 and 4).
@@ -14,12 +14,12 @@ import pytest
 import burstmpi
 from burstmpi import masks
 from burstmpi import reference as ref
-from burstmpi.backends.cpu import numpy_tiles
-from burstmpi.interop import bfloat16
+from burstmpi._backends.cpu import numpy_tiles
+from burstmpi._interop import bfloat16
 
 from conftest import DTYPES, NRANKS, check_against_float64
 
-cp = pytest.importorskip("burstmpi.backends.cpu.packed", reason="numba is not installed")
+cp = pytest.importorskip("burstmpi._backends.cpu.packed", reason="numba is not installed")
 if not cp.available():
     pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512", allow_module_level=True)
 
@@ -202,7 +202,7 @@ def test_auto_packs_where_the_keys_meet_512_query_rows():
     """BURSTMPI_CPU_GEMM=auto: a block is packed when its keys meet 512 query rows or more on
     average (the plan's pairs over its keys; GQA rows count), else the forward calls sgemm;
     float64 never."""
-    from burstmpi.backends.cpu import CpuBackend
+    from burstmpi._backends.cpu import CpuBackend
 
     backend = CpuBackend(kernels="numba", gemm="auto")
     ck, d = 96, 16
@@ -223,7 +223,7 @@ def test_vector_width_follows_numba_cpu_features(features, lanes):
     the host has; so the AVX2 kernel can run, and be measured, on an AVX-512 machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI"))}  # not a rank
     env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=features)
-    out = subprocess.run([sys.executable, "-c", "from burstmpi.backends.cpu import micro; "
+    out = subprocess.run([sys.executable, "-c", "from burstmpi._backends.cpu import micro; "
                           "print(micro.LANES, micro.NR, micro.available())"],
                          env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(lanes), str(2 * max(lanes, 8)), str(lanes > 0)]

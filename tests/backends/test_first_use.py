@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from burstmpi.backends import jit_cache
+from burstmpi._backends import jit_cache
 
 from conftest import NRANKS
 
@@ -46,7 +46,7 @@ TINY = textwrap.dedent('''
 RUN = textwrap.dedent('''
     import sys
     from mpi4py import MPI
-    from burstmpi.backends import jit_cache
+    from burstmpi._backends import jit_cache
     import tiny
     cold = not jit_cache.cached(tiny.twice, (types_f64 := tiny._SIGNATURES[tiny.twice]))
     printed = jit_cache.first_use("the tiny loops", [tiny])
@@ -109,7 +109,7 @@ def test_ranks_compile_one_at_a_time_and_only_rank_0_says_so(tmp_path):
 def test_the_real_tile_loops_are_silent_once_cached(tmp_path):
     """The CPU backend's loops (the package's own cache): a first process may compile them
     (and then says so), the next loads them without a word."""
-    code = ("from burstmpi.backends.cpu import CpuBackend; from burstmpi.backends.cpu import tiles as cpu_tiles; "
+    code = ("from burstmpi._backends.cpu import CpuBackend; from burstmpi._backends.cpu import tiles as cpu_tiles; "
             "CpuBackend(kernels='numba'); print('loaded', cpu_tiles._warm[1])")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     env.pop("NUMBA_CACHE_DIR", None)

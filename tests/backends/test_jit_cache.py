@@ -27,7 +27,7 @@ def f():
 _USER = """
 import sys
 from numba import njit
-from burstmpi.backends import jit_cache
+from burstmpi._backends import jit_cache
 from . import dep
 
 @njit(cache=True)

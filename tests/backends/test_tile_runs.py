@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import burstmpi
-from burstmpi.backends.cpu import numpy_tiles, tile_plan as tile_plan_module
-from burstmpi.backends.cpu.tile_plan import flatten, tile_plan
+from burstmpi._backends.cpu import numpy_tiles, tile_plan as tile_plan_module
+from burstmpi._backends.cpu.tile_plan import flatten, tile_plan
 from burstmpi.masks import BlockSparse
 
 from conftest import NRANKS
@@ -48,7 +48,7 @@ def _problem(g, d=24, dv=20, ck=70):
 def test_backward_run_is_its_rows(g, loops):
     """``bwd_rows`` over a run (rows of unequal heights, a gap between two of them) adds what
     ``bwd_row`` adds tile by tile, bit for bit; each side's gradients can be skipped."""
-    ops = pytest.importorskip("burstmpi.backends.cpu.tiles", reason="no sgemm") if loops == "numba" else numpy_tiles
+    ops = pytest.importorskip("burstmpi._backends.cpu.tiles", reason="no sgemm") if loops == "numba" else numpy_tiles
     q, do, k, v, plan = _problem(g)
     n, d, dv, ck = q.shape[0], q.shape[1], do.shape[1], k.shape[0]
     D, lse = RNG.standard_normal(n).astype(np.float32), (RNG.random(n) + 2).astype(np.float32)
@@ -77,7 +77,7 @@ def test_backward_run_is_its_rows(g, loops):
 def test_forward_run_is_its_rows(g):
     """``cpu.packed.fwd_rows`` over a run merges what ``fwd_row`` merges tile by tile, bit for
     bit, into a carried state (rows that have seen nothing: m = -inf)."""
-    cp = pytest.importorskip("burstmpi.backends.cpu.packed", reason="numba is not installed")
+    cp = pytest.importorskip("burstmpi._backends.cpu.packed", reason="numba is not installed")
     if not cp.available():
         pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512")
     q, _, k, v, plan = _problem(g)

@@ -1,4 +1,4 @@
-"""The CPU backend's memory kept from call to call (``burstmpi.backends.cpu.workspace``): working
+"""The CPU backend's memory kept from call to call (``burstmpi._backends.cpu.workspace``): working
 arrays reused without changing results, and results that stay the caller's own.
 
 Runs on however many ranks COMM_WORLD has (tests/test_mpi.py runs 2, 3 and 4)."""
@@ -10,9 +10,9 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.backends.cpu import CpuBackend
-from burstmpi.backends.cpu.workspace import ALIGN, OutputPool, Workspace
-from burstmpi.interop import bfloat16
+from burstmpi._backends.cpu import CpuBackend
+from burstmpi._backends.cpu.workspace import ALIGN, OutputPool, Workspace
+from burstmpi._interop import bfloat16
 
 from conftest import NRANKS
 

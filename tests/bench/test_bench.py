@@ -209,7 +209,7 @@ def test_bad_docs_spec_is_refused(spec, words):
 
 
 def test_docs_specs_pack_exactly(tmp_path):
-    from burstmpi.masks import packing
+    from burstmpi.masks import _packing as packing
 
     cu = packing.pack("fixed:10", 35)
     assert cu.tolist() == [0, 10, 20, 30, 35]

@@ -155,7 +155,7 @@ def test_interrupts_put_the_handlers_back_and_nest():
 WAITS = '''
 import sys, time
 from mpi4py import MPI
-from burstmpi.transport import watchdog
+from burstmpi._transport import watchdog
 from burstmpi.bench.common import barrier, guard
 comm = watchdog.guarded(MPI.COMM_WORLD, 2.0, who="burstmpi-bench")
 

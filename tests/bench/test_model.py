@@ -5,8 +5,8 @@ import pytest
 from click.testing import CliRunner
 
 from burstmpi.model import cli, flat as model
-from burstmpi.masks.layout import LAYOUTS, Layout
-from burstmpi.masks.intervals import Bounds, Mask
+from burstmpi.masks._layout import LAYOUTS, Layout
+from burstmpi.masks._intervals import Bounds, Mask
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -64,7 +64,7 @@ def test_two_way_backward_moves_each_block_one_hop_each_way():
     """A symmetric window on the contiguous layout: each rank's neighbours alone read its
     block, so the two-way backward moves its K/V and its query side one hop up and one
     down, and nothing else (no partial), in two steps."""
-    from burstmpi.ring import flat as ring
+    from burstmpi._ring import flat as ring
 
     P, N, Z, d = 4, 4096, 8, 64
     shape = model.Shape(1, N, Z, Z, d, d, 4, causal=False, window=(16, 16))

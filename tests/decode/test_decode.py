@@ -205,7 +205,7 @@ def test_memory_is_the_share_plus_per_call_buffers():
 def test_a_decode_allocates_nothing_proportional_to_the_cache(monkeypatch):
     # Peak host allocation of one decode call on a 1K-token and a 4K-token shard: the same
     # bound (a chunk of scores, here made smaller than both shards), not 4x.
-    from burstmpi.backends.cpu import decode as numpy_decode
+    from burstmpi._backends.cpu import decode as numpy_decode
 
     monkeypatch.setattr(numpy_decode, "_MAX_CHUNK", 256)
     peaks = []

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kernel_harness as kh
-from burstmpi.interop import bfloat16
+from burstmpi._interop import bfloat16
 
 pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import burstmpi
-from burstmpi.transport import nccl
-from burstmpi.transport.mpi import StagedMPITransport
-from burstmpi.gpu.device import pick_device
+from burstmpi._transport import nccl
+from burstmpi._transport.mpi import StagedMPITransport
+from burstmpi._gpu.device import pick_device
 from conftest import COMM, NRANKS, RANK, check_against_float64
 
 try:

@@ -1,10 +1,10 @@
-"""burstmpi.gpu.kernels without a compiler: the program text, configurations, launch checks."""
+"""burstmpi._gpu.kernels without a compiler: the program text, configurations, launch checks."""
 
 import re
 
 import pytest
 
-from burstmpi.gpu import kernels
+from burstmpi._gpu import kernels
 
 ALIGNED = kernels.Strided(ptr=1 << 20, sb=4096, st=256, sh=64)
 GROUPED = kernels.Grouped.of_heads(1 << 20, 4096, 256, 64, group=2)
@@ -81,9 +81,9 @@ def test_launch_checks_name_the_argument(over, match):
 
 
 def test_query_and_key_sides_are_not_mixed_up():
-    with pytest.raises(TypeError, match=r"fwd: q: expected burstmpi.gpu.kernels.Grouped, got Strided"):
+    with pytest.raises(TypeError, match=r"fwd: q: expected burstmpi._gpu.kernels.Grouped, got Strided"):
         _fwd(q=ALIGNED)
-    with pytest.raises(TypeError, match=r"fwd: k: expected burstmpi.gpu.kernels.Strided, got Grouped"):
+    with pytest.raises(TypeError, match=r"fwd: k: expected burstmpi._gpu.kernels.Strided, got Grouped"):
         _fwd(k=GROUPED)
 
 

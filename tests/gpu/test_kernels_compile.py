@@ -10,7 +10,7 @@ import concurrent.futures
 
 import pytest
 
-from burstmpi.gpu import kernelcheck, kernels
+from burstmpi._gpu import kernelcheck, kernels
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import kernel_harness as kh
-from burstmpi.gpu import kernels
+from burstmpi._gpu import kernels
 from conftest import REPORTS, check_close, f64
 
 pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")

@@ -3,7 +3,7 @@
 Each case splits a global sequence into P blocks as the ring does (layout positions,
 key blocks visited in ring order and merged into one running state), runs the forward,
 finalize, preprocess, dQ and dK/dV kernels exactly as a GPU backend launches them, with
-the per-row mask intervals of burstmpi.masks.intervals, and checks out, lse, dq, dk and dv against
+the per-row mask intervals of burstmpi.masks._intervals, and checks out, lse, dq, dk and dv against
 the float64 reference with flash-attn's rule. Cases cover windows, packed documents
 (``cu_seqlens``: empty and 1-token documents, one spanning every block, dozens in one
 tile) and blocks of unequal lengths. The NumPy backend solves the same problem (one rank)
@@ -21,10 +21,10 @@ from mpi4py import MPI
 
 import burstmpi
 import kernel_harness as kh
-from burstmpi.gpu import kernels
+from burstmpi._gpu import kernels
 from burstmpi import reference as ref
-from burstmpi.masks.layout import Layout
-from burstmpi.masks.intervals import Bounds, Mask
+from burstmpi.masks._layout import Layout
+from burstmpi.masks._intervals import Bounds, Mask
 from conftest import WORST, check_close, f64
 
 pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")

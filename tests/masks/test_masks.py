@@ -10,8 +10,8 @@ import burstmpi
 import kernel_harness as kh
 from burstmpi import reference as ref
 from burstmpi.masks import BlockSparse, Causal, Chunked, Mask, PerHead, Sinks, Window
-from burstmpi.masks.intervals import UNBOUNDED, tile_mask
-from burstmpi.masks.terms import Docs, lower
+from burstmpi.masks._intervals import UNBOUNDED, tile_mask
+from burstmpi.masks._terms import Docs, lower
 from conftest import COMM, NRANKS, RANK, check_against_float64, random_docs
 
 N_ODD = 23 * max(NRANKS, 1) + 5  # divisible by neither the ranks nor the block sizes
@@ -214,7 +214,7 @@ SEEDED_BITMAP = [
 @pytest.mark.parametrize("what,right,wrong", SEEDED_BITMAP)
 def test_seeded_bitmap_mistakes_are_caught(what, right, wrong):
     """The bitmap test above catches a wrong tile class and a missing per-element test."""
-    from burstmpi.gpu import kernels
+    from burstmpi._gpu import kernels
 
     src, _ = kernels.program()
     assert src.count(right) == 1, what

@@ -1,6 +1,6 @@
 """The ring reads a call's context, never the plan; what a plan keeps is its runtime's.
 
-``Call`` (``burstmpi.ring.context``) is all that the flat, two-way, two-level and
+``Call`` (``burstmpi._ring.context``) is all that the flat, two-way, two-level and
 head-parallel code get. A plan whose every attribute read is watched shows that nothing
 under ``ring/``, ``transport/``, ``backends/`` or ``masks/`` reaches back into it, on each
 of those paths; ``tests/test_architecture.py`` checks the same statically. The two-level
@@ -21,7 +21,7 @@ from burstmpi import reference as ref
 from conftest import COMM, NRANKS
 
 PACKAGE = Path(burstmpi.__file__).resolve().parent
-BELOW = tuple(str(PACKAGE / d) for d in ("ring", "transport", "backends", "masks"))
+BELOW = tuple(str(PACKAGE / d) for d in ("_ring", "_transport", "_backends", "masks"))
 GROUP = next((u for u in (2, 3) if NRANKS % u == 0), None)
 
 
@@ -102,7 +102,7 @@ def test_host_then_emulated_gpu_arrays_do_not_share_the_rings(monkeypatch):
     """One plan called with host arrays, then with arrays on the (emulated) GPU: the second
     call gets rings and buffers of its own, keyed by the arrays' kind, and the first's stay
     the host's; both give the float64 reference's answer."""
-    from burstmpi import runtime as rt_mod
+    from burstmpi import _runtime as rt_mod
 
     lib = kh.library_on_every_rank(COMM, [("float32", 32, 32)])
     emulated = kh.EmulatedBackend(lib)

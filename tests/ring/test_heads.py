@@ -1,5 +1,5 @@
-"""Head parallelism (``BurstAttention(head_parallel=u)``, ``burstmpi.heads``) and the nodes
-it works within (``burstmpi.transport.nodes``): results against float64 for every layout,
+"""Head parallelism (``BurstAttention(head_parallel=u)``, ``burstmpi._heads``) and the nodes
+it works within (``burstmpi._transport.nodes``): results against float64 for every layout,
 GQA/MQA with replicated K/V heads, masks (per-head ones cut per member), documents, both
 backward modes, the emulated kernels; bytes across nodes; bad combinations refused on
 every rank. Runs alone and under mpiexec (tests/test_mpi.py): each case takes every
@@ -12,10 +12,10 @@ import pytest
 import burstmpi
 import kernel_harness as kh
 from burstmpi import reference as ref
-from burstmpi.heads import member_heads
-from burstmpi.masks.layout import Layout
+from burstmpi._heads import member_heads
+from burstmpi.masks._layout import Layout
 from burstmpi.masks import BlockSparse, Causal, PerHead, Sinks, Window, head_slice
-from burstmpi.transport.nodes import Nodes, nodes
+from burstmpi._transport.nodes import Nodes, nodes
 from conftest import COMM, NRANKS, RANK, check_against_float64, random_docs
 
 GROUPS = [u for u in range(2, NRANKS + 1) if NRANKS % u == 0]
@@ -134,7 +134,7 @@ def test_head_parallel_with_the_two_level_ring(per_node):
 
 
 def test_functional_calls_share_the_group_communicators(per_node):
-    from burstmpi.transport import comm as tcomm
+    from burstmpi._transport import comm as tcomm
 
     if not GROUPS:
         pytest.skip("needs 2+ MPI ranks")
@@ -201,7 +201,7 @@ def test_point_to_point_exchange_matches_alltoallv():
     """``HeadExchange`` over a transport's grouped sends and receives (NCCL's way on GPUs)
     moves what ``MPI.Alltoallv`` moves, with a member that holds no tokens (no message to or
     from it) and unequal shares; the bytes counted are the same."""
-    from burstmpi.transport.alltoall import HeadExchange
+    from burstmpi._transport.alltoall import HeadExchange
     from ordered_transport import InOrderTransport
 
     P = NRANKS
@@ -229,7 +229,7 @@ def test_head_parallel_over_grouped_point_to_point_transfers(per_node, monkeypat
     (``exchange_transport``, NCCL on GPUs), here one that pairs transfers in order without
     tags (tests/ordered_transport.py): against float64, with replicated K/V heads, documents
     and both backward modes; the transport is made once per group."""
-    from burstmpi import heads
+    from burstmpi import _heads as heads
     from ordered_transport import InOrderTransport
 
     made = []

@@ -6,11 +6,11 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.masks.layout import Layout
-from burstmpi.masks.intervals import Bounds, Mask
-from burstmpi.ring.flat import bytes_per_step
-from burstmpi.ring.schedule import Schedule, interaction_matrix
-from burstmpi.transport.nodes import nodes
+from burstmpi.masks._layout import Layout
+from burstmpi.masks._intervals import Bounds, Mask
+from burstmpi._ring.flat import bytes_per_step
+from burstmpi._ring.schedule import Schedule, interaction_matrix
+from burstmpi._transport.nodes import nodes
 
 from conftest import COMM, NRANKS, RANK
 
@@ -133,7 +133,7 @@ def test_stats_count_skipped_causal_steps():
 def test_interaction_matrix_is_where_pairs_are_visible(layout, causal, window, docs):
     """The fast interaction matrix (merged visible ranges) says exactly where the exact
     pair counts are non-zero, on 7 ranks with 1-token, empty and long documents."""
-    from burstmpi.ring.schedule import pair_matrix
+    from burstmpi._ring.schedule import pair_matrix
 
     P, N = 7, 7 * 23 + 4
     cu = np.array([0, 1, 1, 40, 41, 150, 151, 152, N]) if docs else None

@@ -1,4 +1,4 @@
-"""The two-level ring (``BurstAttention(topology="two-level")``, ``burstmpi.ring.twolevel``):
+"""The two-level ring (``BurstAttention(topology="two-level")``, ``burstmpi._ring.twolevel``):
 results against float64 for every layout, dtype, GQA/MQA, masks, documents and backward
 mode, on fake nodes of every size that divides the ranks (BURSTMPI_RANKS_PER_NODE:
 one-rank nodes, one node, and all between); its schedule; its transfers paired in order
@@ -13,9 +13,9 @@ import burstmpi
 import kernel_harness as kh
 from burstmpi import reference as ref
 from burstmpi.masks import BlockSparse, Causal, Chunked, PerHead, Sinks, Window
-from burstmpi.transport.nodes import Nodes
-from burstmpi.config import settings
-from burstmpi.ring.twolevel import block_owner
+from burstmpi._transport.nodes import Nodes
+from burstmpi._config import settings
+from burstmpi._ring.twolevel import block_owner
 from conftest import COMM, NRANKS, RANK, check_against_float64, needs_ranks, random_docs
 from ordered_transport import InOrderTransport, MisPaired
 
@@ -176,7 +176,7 @@ def test_network_carries_only_the_rows_later_nodes_read(per_node):
     """Causal: an outer hop carries the rows of its block that some rank of the nodes still
     ahead on the outer ring reads (a query at or after the key's position), no more. The
     forward's bytes across nodes, counted here from the token positions alone."""
-    from burstmpi.masks.layout import layout_of
+    from burstmpi.masks._layout import layout_of
 
     g = SPREAD[-1]
     per_node(g)
@@ -239,9 +239,9 @@ def test_auto_for_gpu_arrays_times_the_plans_own_transport(per_node, monkeypatch
     NumPy buffers stand in), apart from the host's figures, and asks the model at a GPU
     kernel rate: two-level where the network is slow. ``link_speeds`` over a transport
     agrees on every rank and honours the simulation aid's cap."""
-    from burstmpi.transport.links import link_speeds
-    from burstmpi.transport.mpi import MPITransport
-    from burstmpi.transport.nodes import nodes
+    from burstmpi._transport.links import link_speeds
+    from burstmpi._transport.mpi import MPITransport
+    from burstmpi._transport.nodes import nodes
 
     per_node(SPREAD[0])
     monkeypatch.setenv("BURSTMPI_INTERNODE_GBPS", "0.05")
@@ -285,8 +285,8 @@ def test_gpu_arrays_take_the_two_level_ring_but_not_slowed_links(monkeypatch):
     """GPU arrays run the two-level ring (its rings on the plan's transport ``on`` their
     communicators: NCCL there); the slowed links of ``--internode-gbps`` are a host-only
     simulation aid, so asking for them with GPU arrays names the setting."""
-    from burstmpi.ring.twolevel import check_two_level
-    from burstmpi.transport.nodes import Nodes
+    from burstmpi._ring.twolevel import check_two_level
+    from burstmpi._transport.nodes import Nodes
 
     two = Nodes([0, 0, 1, 1], 0)
     check_two_level("f", two, "cuda")
@@ -300,7 +300,7 @@ def test_gpu_arrays_refuse_slowed_links_on_the_flat_ring_too(monkeypatch):
     """The flat ring's GPU transports (NCCL, MPI) never pass through the slowed links either:
     a GPU call across (fake) nodes with the setting on is refused by name before any GPU
     set-up, where it used to run at the machine's own speed."""
-    from burstmpi.runtime import Runtime
+    from burstmpi._runtime import Runtime
 
     monkeypatch.setenv("BURSTMPI_INTERNODE_GBPS", "2.5")
     rt = Runtime("f", MPI.COMM_SELF)
@@ -333,7 +333,7 @@ def test_two_level_with_ranks_holding_no_token(per_node):
 def test_calls_reuse_the_rings(per_node):
     """A plan's calls keep its buffers and give the same bits, and plans made call after
     call (the functional API makes one each) share their communicators: nothing grows."""
-    from burstmpi.transport import comm as tcomm
+    from burstmpi._transport import comm as tcomm
 
     per_node((SPREAD or SIZES)[0])
     q, k, v, do = ref.random_problem(1, 6 * NRANKS, 2, 2, 8, seed=4)

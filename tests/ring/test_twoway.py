@@ -4,11 +4,11 @@ thing against float64 (alone and under mpiexec; it needs 3+ ranks to take effect
 import numpy as np
 import pytest
 
-from burstmpi.ring.geometry import Geometry
-from burstmpi.masks.intervals import Bounds
-from burstmpi.ring.flat import nbytes, packet_fields
-from burstmpi.ring.schedule import Schedule
-from burstmpi.ring.twoway import TwoWaySchedule, arcs, two_way_bytes
+from burstmpi._ring.geometry import Geometry
+from burstmpi.masks._intervals import Bounds
+from burstmpi._ring.flat import nbytes, packet_fields
+from burstmpi._ring.schedule import Schedule
+from burstmpi._ring.twoway import TwoWaySchedule, arcs, two_way_bytes
 
 from conftest import NRANKS, check_against_float64
 from ordered_transport import InOrderTransport

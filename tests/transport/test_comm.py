@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from burstmpi.transport.comm import Channel, PartialChannel
-from burstmpi.transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
+from burstmpi._transport.comm import Channel, PartialChannel
+from burstmpi._transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 
 
 class Loopback:
@@ -175,9 +175,9 @@ def test_a_transport_on_another_communicator_keeps_its_kind():
     window and slowed links belong to the plan's communicator, so theirs are plain MPI."""
     from mpi4py import MPI
 
-    from burstmpi.transport.nodes import Nodes
-    from burstmpi.transport.shm import ShmTransport
-    from burstmpi.transport.slowlinks import SlowLinksTransport
+    from burstmpi._transport.nodes import Nodes
+    from burstmpi._transport.shm import ShmTransport
+    from burstmpi._transport.slowlinks import SlowLinksTransport
     from ordered_transport import InOrderTransport
 
     comm = MPI.COMM_SELF

@@ -10,10 +10,10 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.transport.comm import private_comm
-from burstmpi.transport.mpi import MPITransport
+from burstmpi._transport.comm import private_comm
+from burstmpi._transport.mpi import MPITransport
 from burstmpi.masks import Chunked, Sinks, Window
-from burstmpi.transport.shm import ShmChannel, ShmTransport, transport_for
+from burstmpi._transport.shm import ShmChannel, ShmTransport, transport_for
 
 from conftest import COMM, NRANKS, check_against_float64, needs_ranks
 
@@ -146,7 +146,7 @@ def test_options():
 def test_no_room_in_shared_memory(monkeypatch):
     """Where the node's /dev/shm cannot hold the window (Docker's 64 MB): "auto" copies
     through MPI instead, with the same bits; "shm" raises on every rank, saying why."""
-    import burstmpi.transport.shm as shm
+    import burstmpi._transport.shm as shm
 
     monkeypatch.setattr(shm, "free_shared_bytes", lambda: 64)
     comm = COMM.Dup()  # a communicator whose window is yet to be made

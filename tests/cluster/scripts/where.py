@@ -2,7 +2,7 @@
 file per rank, ``DIR/rank<r>.json`` (lines on stdout from several ranks can interleave).
 
 Run under mpiexec on the emulated hosts (``tests/cluster/test_cluster.py``): the hostname,
-the nodes burstmpi sees (``burstmpi.transport.nodes``, from MPI's shared-memory split), the
+the nodes burstmpi sees (``burstmpi._transport.nodes``, from MPI's shared-memory split), the
 transport ``transport="auto"`` picks for host arrays, and what ``transport="shm"`` does
 (the transport, or the error it raises when the ranks span several nodes).
 """
@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi.transport.nodes import nodes
+from burstmpi._transport.nodes import nodes
 
 comm = MPI.COMM_WORLD
 q, k, v, _ = (burstmpi.shard(x, layout="contiguous")

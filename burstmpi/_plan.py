@@ -1,0 +1,461 @@
+"""``BurstAttention``: a reusable plan that owns its ring buffers and reports what it did."""
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+
+from ._config import FIELDS
+from ._gpu.device import abort_on_device_error
+from ._heads import HeadParallel, check_head_parallel
+from ._interop import like
+from .masks._intervals import Bounds
+from .model.flat import Machine, Shape
+from .model.topology import choose_topology
+from ._ring import flat as ring, twolevel, twolevel_backward, twoway
+from ._ring.context import Call
+from ._ring.geometry import geometry
+from ._ring.stats import PhaseStats
+from ._runtime import Runtime
+from ._transport.links import link_speeds
+from ._transport.watchdog import allgather
+from ._validate import (check_backward, check_cu_seqlens, check_forward, check_layout_given, check_options,
+                       fingerprint, global_layout, layout_dependence)
+
+__all__ = ["BurstAttention", "PhaseStats", "Stats"]
+
+# topology="auto": the kernel rate (TFLOP/s a rank, forward and backward) the model assumes,
+# for host arrays about this project's CPU backend on one core, for GPU arrays a nominal
+# rate of data-centre GPUs' attention kernels (ours have not been timed on one yet). Both
+# rings compute the same pairs, so the rate only sets how much compute hides the transfers
+# (``BurstAttention._auto_topology``).
+_NOMINAL_TFLOPS = {"host": 0.05, "cuda": 200.0}
+
+
+@dataclass
+class Stats:
+    """``last_stats`` of a plan: the latest forward and backward, and the choices made.
+
+    ``buffer_bytes`` is the memory the plan keeps for ring buffers between calls.
+    """
+
+    forward: Optional[PhaseStats] = None
+    backward: Optional[PhaseStats] = None
+    bwd_mode: Optional[str] = None
+    topology: str = "flat"
+    backend: str = "cpu"
+    transport: str = "mpi"
+    buffer_bytes: int = 0
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _short(text, most=60):
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
+def _delegate(name, doc):
+    """A plan attribute that is its runtime's."""
+    return property(lambda self: getattr(self.runtime, name), doc=doc)
+
+
+# The settings with a keyword (``config.FIELDS``) besides ``backend`` and ``timeout``, which
+# the signatures name first.
+SETTINGS = tuple(f.keyword for f in FIELDS if f.keyword not in (None, "backend", "timeout"))
+
+
+class BurstAttention:
+    """A reusable BurstAttention plan over the ranks of an MPI communicator.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm, optional
+        The ranks of the ring, in rank order (default ``MPI.COMM_WORLD``). burstmpi talks
+        on a private duplicate, created collectively the first time a communicator is used.
+    causal : bool
+        Mask keys after the query (global positions). Same as ``window=(-1, 0)``.
+    window : (int, int), optional
+        flash-attn sliding window ``(left, right)``: the query at global position i sees
+        keys j with ``i - left <= j <= i + right``; -1 is unbounded.
+    mask : burstmpi.masks.Mask, optional
+        Any mask of ``burstmpi.masks`` (sinks, chunks, block-sparse, per-head, and their
+        ``&``/``|``), ANDed with ``causal``, ``window`` and the same-document rule. The ring
+        skips the steps, transfers, rows and tiles it leaves invisible.
+    softmax_scale : float, optional
+        Multiplies Q K^T; default ``1 / sqrt(head_dim)``.
+    layout : {"contiguous", "zigzag", "striped"}, optional
+        How the global sequence is spread over ranks: the layout the inputs were sharded
+        with (``burstmpi.shard(x, layout=...)``). Required where the result depends on it:
+        over several ranks with ``causal``, ``window``, ``mask`` or ``cu_seqlens``; a call
+        without it there raises on every rank rather than guessing. Left out (None) it
+        means "contiguous", where the layout cannot change the result.
+    bwd_comm : {"auto", "burst", "ring", "two-way"}
+        What circulates in the backward: Q/dO/dQ ("burst"), K/V/dK/dV ("ring"), both K/V
+        and Q/dO two ways with no gradient partial ("two-way", ``burstmpi._ring.twoway``; from 3
+        ranks), or whichever moves fewer bytes for the call ("auto"; recorded in
+        ``last_stats``; it considers "two-way" only on backends where that costs no extra
+        compute, i.e. the CUDA kernels; with host arrays on one node, where bytes move
+        through memory, it takes the other one-way mode when that leaves the busiest rank at
+        least 2 % fewer pairs). The forward takes the two-way ring by itself
+        whenever it moves fewer bytes (``last_stats.forward.direction`` is then 0).
+    backend : {"auto", "cpu", "cuda"}
+        "auto" follows the arrays' device: GPU arrays (CuPy, or any DLPack producer on a
+        CUDA device) run on burstmpi's CUDA kernels, host arrays on the CPU backend
+        (numba's compiled tiles over BLAS; NumPy where numba is missing). "numpy", its
+        old name, is taken as "cpu" with a FutureWarning. "cuda" with
+        host arrays copies them to the GPU and returns host arrays.
+    transport : {"auto", "nccl", "mpi", "shm"}
+        How ring buffers travel. GPU arrays: NCCL (one GPU per rank; bootstrapped over
+        ``comm``), or MPI (host-staged, or straight from the GPU with
+        ``BURSTMPI_CUDA_AWARE_MPI=1``; works with ranks sharing a GPU); "auto" takes NCCL
+        when it is installed and every rank has a GPU of its own. Host arrays: "shm", the
+        ranks of one node reading each other's packets in place from an MPI-3 shared
+        window (``burstmpi._transport.shm``; "auto" takes it when every rank is on one node), or
+        "mpi", copied by MPI. Reported in ``last_stats``.
+    device : int, optional
+        The CUDA device of this rank; default: node-local rank modulo the visible GPUs.
+    topology : {"flat", "two-level", "auto"}
+        "flat": one ring in rank order. "two-level": a ring inside each node and one
+        between nodes, linking the ranks of equal local rank, its transfer hidden behind
+        a whole inner cycle (``burstmpi._ring.twolevel``; nodes of equal size, host or GPU
+        arrays, every ``bwd_comm``; "auto" takes "burst" or "ring", whichever moves fewer
+        bytes).
+        "auto": where the ranks span several equal nodes of 2+ ranks, the performance
+        model's choice for the call's shape at the links' speeds (``BURSTMPI_LINK_GBPS``,
+        else measured once per plan and kind of arrays: a few MB each way between
+        neighbours, by MPI on the host or by the plan's GPU transport on the GPU;
+        ``burstmpi._transport.links``): two-level where it predicts it 5 % faster, which
+        takes inter-node links slower than the node's; else flat.
+        ``last_stats.topology`` says which ran. Nodes: ``burstmpi._transport.nodes``
+        (``BURSTMPI_RANKS_PER_NODE``).
+    head_parallel : int, default 1
+        u > 1: groups of u consecutive ranks of one node share the heads (an all-to-all
+        inside each group), and the ring runs over the P/u groups (``burstmpi._heads``).
+        Inputs and results stay each rank's sequence shard. u must divide the ranks and
+        the query heads, and divide or be a multiple of the K/V heads.
+    timeout : float, optional
+        Seconds; None takes ``BURSTMPI_TIMEOUT`` (default 300). Every wait on other ranks
+        has this deadline; on expiry the job is aborted with exit code 75 and a
+        ``burstmpi watchdog:`` line naming who it waited for; see
+        ``docs/guide/configuration.md``.
+    tile_q, tile_k, cpu_kernels, cpu_gemm, threads, check, cuda_aware_mpi, ranks_per_node, link_gbps : optional
+        Settings (``docs/guide/configuration.md`` has the table): None takes the
+        ``BURSTMPI_*`` variable of the same name, else the default. Read once, here.
+    runtime : burstmpi._runtime.Runtime, optional
+        Run on another plan's runtime (``KVCache`` does, for its prefill) instead of
+        building one from ``comm``, ``backend``, ``transport``, ``device`` and the settings.
+
+    Notes
+    -----
+    ``forward(q, k, v, cu_seqlens=None)`` returns ``(out, lse)`` and ``backward(dout, q, k,
+    v, out, lse, cu_seqlens=None)`` returns ``(dq, dk, dv)``; see ``burstmpi.attention``
+    for shapes and documents (``cu_seqlens`` is per call: it changes with every batch).
+    Both are collective over ``comm``. Double buffers are allocated on first use and kept for
+    calls of the same shapes, and so are the CPU backend's working arrays (converted K/V
+    blocks and fp32 accumulators: ~5x a rank's q with as many KV heads as heads, in
+    float32) and the storage of up to four results the caller has dropped (the CPU
+    backend's ``held_bytes``), as CuPy's memory pool keeps the GPU's: ``release()`` frees
+    them (results dropped later return to the pool); with the "shm" transport it is
+    collective, as the calls are (it frees a window every rank maps).
+    """
+
+    def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
+                 layout=None, bwd_comm="auto", backend="auto", transport="auto", device=None,
+                 runtime=None, mask=None, head_parallel=1, topology="flat", timeout=None,
+                 tile_q=None, tile_k=None, cpu_kernels=None, cpu_gemm=None, threads=None, check=None,
+                 cuda_aware_mpi=None, ranks_per_node=None, link_gbps=None):
+        fn = "BurstAttention"
+        check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
+                      bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel, topology=topology)
+        self.topology = topology
+        given = dict(tile_q=tile_q, tile_k=tile_k, cpu_kernels=cpu_kernels, cpu_gemm=cpu_gemm, threads=threads,
+                     check=check, cuda_aware_mpi=cuda_aware_mpi, ranks_per_node=ranks_per_node, link_gbps=link_gbps)
+        self.runtime = runtime if runtime is not None else Runtime(
+            fn, comm, backend=backend, transport=transport, device=device, timeout=timeout, **given)
+        # What a ring of groups (head parallelism) builds its own plans from.
+        self._made_with = dict(backend=backend, transport=transport, device=device, timeout=self.runtime.timeout,
+                               **given)
+        self.causal, self.window_arg = bool(causal), None if window is None else tuple(window)
+        self.window = Bounds(causal, window)
+        self.mask = mask
+        # ``layout_arg``: as given (None: not given, agreed on and checked per call in
+        # ``_prepare``); ``layout_name``: what runs, "contiguous" for None.
+        self.layout_arg, self.layout_name = layout, "contiguous" if layout is None else layout
+        self.softmax_scale, self.bwd_comm = softmax_scale, bwd_comm
+        self.caller = None  # the public function that made this plan, if not the user (its errors name it)
+        self.head_parallel = int(head_parallel)
+        self._kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``): ``_groups_ring``
+        self._links, self._auto = {}, {}  # topology="auto": link speeds per kind of arrays, choices per shape
+        self._loads = {}  # bwd_comm="auto" on one node: the busiest rank's pairs per geometry (``_balanced``)
+        self.last_stats = Stats()
+        self.last_call = None  # the ``ring.context.Call`` of the latest call, for inspection
+
+    @classmethod
+    def _groups_ring(cls, of, comm, nodes, layout_name, mask, runtime, kv_grads_accumulated):
+        """The plan of head parallelism's ring of groups (``burstmpi._heads``): plan ``of``'s
+        options over ``comm`` (the members of one index, group by group) on the groups'
+        ``nodes``, with each group's tokens merged (layout ``NAME/u``), this member's share
+        of ``mask``, and the runtime of the ring's other plans if there is one."""
+        plan = cls(comm, causal=of.causal, window=of.window_arg, softmax_scale=of.softmax_scale,
+                   layout=of.layout_name, bwd_comm=of.bwd_comm, mask=mask, topology=of.topology,
+                   runtime=runtime if runtime is not None else Runtime(
+                       "BurstAttention", comm, nodes=nodes, **of._made_with))
+        plan.layout_name = layout_name
+        plan._kv_grads_accumulated = kv_grads_accumulated
+        return plan
+
+    comm = _delegate("comm", "burstmpi's private duplicate of the plan's communicator.")
+    backend = _delegate("backend", "The backend of the last call (None before the first).")
+    transport = _delegate("transport", "How ring buffers travel (``last_stats.transport``).")
+    settings = _delegate("settings", "The plan's ``config.Settings``, read when it was made.")
+
+    @property
+    def rank(self):
+        return self.runtime.rank
+
+    @property
+    def nranks(self):
+        return self.runtime.nranks
+
+    @property
+    def buffer_bytes(self):
+        """Bytes of ring buffers this plan's runtime holds between calls: the double buffers
+        and partials, the two-level rings' and head parallelism's ring of groups'
+        (``Runtime.owned``)."""
+        return self.runtime.buffer_bytes
+
+    def release(self):
+        """Free the ring buffers and the CPU backend's working arrays (allocated again on the
+        next call)."""
+        self.runtime.release()
+
+    # -- the calls --------------------------------------------------------------------
+
+    def _options(self):
+        rt = self.runtime
+        return (("causal", self.causal), ("window", self.window_arg),
+                ("softmax_scale", self.softmax_scale), ("layout", self.layout_arg),
+                ("bwd_comm", self.bwd_comm), ("backend", rt.backend_name),
+                ("transport", rt.transport_name), ("head_parallel", self.head_parallel),
+                ("topology", self.topology),
+                ("BURSTMPI_INTERNODE_GBPS", rt.settings.internode_gbps),  # it picks the transport
+                ("mask", None if self.mask is None else f"{_short(repr(self.mask))} #{self.mask.digest()}"))
+
+    def _prepare(self, fn, arrays, check, cu_seqlens):
+        """Convert and check the arguments, agree across ranks, and make the call's context:
+        ``(converted arrays, dims, Call)``.
+
+        One collective (``agree``) compares every rank's arguments and tells each the
+        others' local lengths; from those every rank derives the same global layout (or
+        raises the same error)."""
+        rt = self.runtime
+        error, conv, dims, cu = None, None, None, None
+        kind = rt.kind(arrays)
+        rt.begin(fn, kind, self._options())
+        try:
+            conv = rt.convert(fn, arrays)
+            dims = check(conv)
+            cu = check_cu_seqlens(fn, cu_seqlens)
+            # No default where the layout changes the result: shards made with another one
+            # would be silently wrong. Raised through ``agree`` below, so on every rank.
+            check_layout_given(self.caller or fn, self.layout_arg, self.nranks,
+                               layout_dependence(self.causal, self.window_arg, self.mask, cu))
+            if self.head_parallel > 1:
+                check_head_parallel(fn, self.head_parallel, self.nranks, rt.nodes, dims[2], dims[3])
+            elif self._ring_topology(kind) == "two-level":
+                twolevel.check_two_level(fn, rt.nodes, kind, rt.settings.internode_gbps)
+        except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+            error = e
+        sig = [("nranks", self.nranks), ("runs on", kind)] + list(self._options())
+        if conv is not None:
+            # Local lengths may differ between ranks: the sequence axis (1, or 2 for lse)
+            # is left out here and checked against the layout below.
+            seq_axis = lambda n: 2 if n == "lse" else 1
+            sig += [(f"{n}.shape (but the sequence axis)",
+                     tuple(None if i == seq_axis(n) else int(s) for i, s in enumerate(a.shape)))
+                    for n, a in conv.items()]
+            sig += [(f"{n}.dtype", str(a.dtype)) for n, a in conv.items()]
+        sig.append(("cu_seqlens", fingerprint(cu)))
+        # BURSTMPI_CHECK=0 leaves the fingerprint out; the collective itself always runs,
+        # since it carries the local lengths the layout is built from.
+        lengths = rt.agree(fn, error, sig, 0 if dims is None else dims[1])
+        if error is not None:  # only reachable with BURSTMPI_CHECK=0
+            raise error
+        self.last_stats.backend, self.last_stats.transport = self.backend.name, self.transport.name
+        lay = global_layout(fn, "q.shape[1]", self.layout_name, self.nranks, lengths, cu)
+        if self.mask is not None:  # the same global length and heads everywhere: the same error
+            self.mask.check(fn, lay.seqlen, dims[2])
+        geo = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu, self.mask)
+        d = dims[4]
+        scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)
+        topology = "flat" if self.head_parallel > 1 else self._ring_topology(kind, dims, conv["q"].dtype, lay.seqlen)
+        rings = None
+        if topology == "two-level":  # the runtime's, per kind of arrays, device and transport
+            rings = rt.owned(("two-level", kind, getattr(self.backend, "device", None), self.transport.name,
+                              rt.nodes.node_of),
+                             lambda: twolevel.Rings(self.comm, rt.nodes, self.transport, rt.timeout,
+                                                    rt.settings.internode_gbps))
+        call = self.last_call = Call(rank=self.rank, nranks=self.nranks, geometry=geo, scale=scale,
+                                     backend=self.backend, transport=self.transport, channels=rt.channels,
+                                     nodes=rt.nodes, timeout=rt.timeout,
+                                     kv_grads_accumulated=self._kv_grads_accumulated, rings=rings)
+        self.last_stats.topology = topology
+        return conv, dims, call
+
+    def _groups(self):
+        """Head parallelism's side of this plan (``burstmpi._heads``): the runtime's, made by
+        the first call (splitting the communicator is collective)."""
+        rt = self.runtime
+        make = lambda comm, nodes, layout_name, mask, runtime, accumulated: BurstAttention._groups_ring(
+            self, comm, nodes, layout_name, mask, runtime, accumulated)
+        return rt.owned(("head_parallel", self.head_parallel, self._options()),
+                        lambda: HeadParallel(self.head_parallel, self.comm, rt.nodes, rt.timeout, make))
+
+    def forward(self, q, k, v, *, cu_seqlens=None):
+        """Attention of this rank's queries over the whole ring's keys: ``(out, lse)``."""
+        fn = "BurstAttention.forward"
+        h, dims, call = self._prepare(fn, {"q": q, "k": k, "v": v},
+                                      lambda h: check_forward(fn, h["q"], h["k"], h["v"]), cu_seqlens)
+        if self.head_parallel > 1:
+            groups = self._groups()
+            out, lse, st = groups.forward(call, self.mask, self.layout_name, h, dims, cu_seqlens, self._xp())
+            self.last_stats.forward, self.last_stats.topology = st, groups.topology
+            self.last_stats.buffer_bytes = self.buffer_bytes
+            return like(out, q), like(lse, q)
+        if call.rings is not None:
+            run = twolevel.forward
+        else:
+            run = twoway.forward if call.forward_two_way(dims, h["q"].dtype) else ring.forward
+        with abort_on_device_error(self.comm):
+            out, lse, st = run(call, h["q"], h["k"], h["v"], dims)
+            self._finish(call)
+        self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
+        self.last_stats.transport = self._transport_name(call)
+        return like(out, q), like(lse, q)
+
+    def _finish(self, call):
+        """End of a phase: every transport that runs asynchronously (NCCL) checks that its
+        transfers completed, with a timeout (``Runtime.finish``), the two-level rings' too."""
+        self.runtime.finish()
+        if call.rings is not None:
+            call.rings.finish()
+
+    def _ring_topology(self, kind, dims=None, dtype=None, seqlen=None):
+        """The ring this call runs: "two-level" or "flat". ``topology``'s "auto" is flat unless
+        the ranks span several equal nodes of 2+ ranks; there the model chooses
+        (``_auto_topology``) once the call's ``dims`` and global ``seqlen`` are agreed
+        (without them, as in the argument checks, "auto" answers flat)."""
+        if self.topology != "auto":
+            return self.topology
+        if not self.runtime.nodes.spread or dims is None:
+            return "flat"
+        return self._auto_topology("cuda" if kind == "cuda" else "host", dims, dtype, seqlen)
+
+    def _auto_topology(self, where, dims, dtype, seqlen):
+        """The model's choice between the flat and the two-level ring for this call's shape
+        (``model.topology.choose_topology``), at the links' configured or measured speeds
+        (``transport.links``: measured once per plan and kind of arrays, collectively: MPI
+        on host buffers, or the plan's GPU transport on device buffers) and a nominal
+        kernel rate for ``where`` ("host" or "cuda"): both rings compute the same pairs,
+        so the rate decides only where both hide their transfers, and there they tie and
+        the flat ring is kept. Cached per shape; the same on every rank (the inputs are
+        agreed, the measurement reduced)."""
+        key = (where, tuple(dims), str(dtype), seqlen)
+        if key not in self._auto:
+            nodes = self.runtime.nodes
+            if where not in self._links:
+                gpu = dict(transport=self.transport, alloc=self.backend.alloc) if where == "cuda" else {}
+                self._links[where] = link_speeds(self.comm, nodes, timeout=self.runtime.timeout,
+                                                 settings=self.runtime.settings, **gpu)
+            intra, inter = self._links[where]
+            B, _, Z, Zkv, d, dv = dims
+            shape = Shape(B, seqlen, Z, Zkv, d, dv, np.dtype(dtype).itemsize, self.causal, self.window_arg)
+            g = len(nodes.members[0])
+            rate = _NOMINAL_TFLOPS[where]
+            machine = Machine("auto", fwd_tflops=rate, bwd_tflops=rate, intra_gbps=intra, inter_gbps=inter,
+                              ranks_per_node=g)
+            mode = None if self.bwd_comm == "auto" else self.bwd_comm
+            self._auto[key] = choose_topology(shape, machine, self.nranks, self.layout_name, g, mode)
+        return self._auto[key]
+
+    def _transport_name(self, call):
+        """``last_stats.transport`` after a call: the call may have fallen back to MPI, and
+        the two-level ring names its rings' transports."""
+        return call.rings.name if call.rings is not None else self.transport.name
+
+    def _xp(self):
+        """The array module of the call's converted arrays (NumPy, or CuPy on the GPU)."""
+        return getattr(self.backend, "xp", np)
+
+    def choose_bwd_mode(self, call, dims, dtype):
+        """The backward mode of a call with these dims and dtype: fewest bytes moved, or with
+        host arrays on one node the better balanced one-way mode (``_balanced``)."""
+        if self.bwd_comm == "two-way" and self.nranks < 3:
+            return "burst"  # both directions would reach the same neighbour
+        if self.bwd_comm != "auto":
+            return self.bwd_comm
+        # Ties (one rank: nothing moves) go to the smaller full step, then to "burst".
+        cost = call.backward_costs(dims, dtype, self.nranks >= 3 and getattr(self.backend, "split_backward_free",
+                                                                             False))
+        best = min(cost, key=lambda m: cost[m])  # dicts keep order: ties go to burst, ring
+        one_node = self.runtime.nodes.count == 1 and self.backend.name == "cpu"
+        return self._balanced(call.geometry, best) if best != "two-way" and one_node else best
+
+    def _balanced(self, geo, fewest_bytes):
+        """The one-way backward for a call on host arrays with every rank on one node, given
+        the one that moves fewer bytes. There packets move through memory (or are read where
+        they lie: the "shm" transport), at a small cost next to the tiles', and the busiest
+        rank sets the pace: the other mode is taken when its busiest rank computes at least
+        2 % fewer pairs. Both transports choose alike, so they still give the same bits.
+
+        Masks can leave the ranks' keys much less evenly visible than their queries (the
+        bench's ``blocks:0.3`` on zigzag and causal leaves the busiest rank several per cent
+        more pairs as keys than as queries, ``bigbird`` with global keys on rank 0 much
+        more): the mode that moves fewer bytes is then not the faster one. Each rank counts
+        its own two loads (``Geometry.loads``); they are gathered once per geometry (a
+        collective: every rank's call gets here alike)."""
+        busiest = self._loads.get(geo)  # keyed by the object itself (identity): it stays alive
+        if busiest is None:
+            every = allgather(self.comm, geo.loads(self.rank), self.runtime.timeout,
+                              "the allgather of the ranks' loads (bwd_comm='auto')")
+            if len(self._loads) >= 32:
+                self._loads.pop(next(iter(self._loads)))
+            busiest = self._loads[geo] = {"burst": max(b for b, _ in every), "ring": max(r for _, r in every)}
+        other = "ring" if fewest_bytes == "burst" else "burst"
+        return other if busiest[other] < 0.98 * busiest[fewest_bytes] else fewest_bytes
+
+    def backward(self, dout, q, k, v, out, lse, *, cu_seqlens=None):
+        """Gradients ``(dq, dk, dv)`` of this rank's q, k, v given ``dout``."""
+        fn = "BurstAttention.backward"
+        arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+
+        def check(h):
+            lse_dtype = "float64" if np.dtype(h["q"].dtype) == np.float64 else "float32"
+            return check_backward(fn, h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], lse_dtype)
+
+        h, dims, call = self._prepare(fn, arrays, check, cu_seqlens)
+        if self.head_parallel > 1:
+            groups = self._groups()
+            dq, dk, dv, st, mode = groups.backward(call, self.mask, self.layout_name, h, dims, cu_seqlens,
+                                                   self._xp())
+            self.last_stats.backward, self.last_stats.bwd_mode = st, mode
+            self.last_stats.buffer_bytes, self.last_stats.topology = self.buffer_bytes, groups.topology
+            return like(dq, q), like(dk, k), like(dv, v)
+        dtype = h["q"].dtype
+        mode = (twolevel.choose_mode(self.bwd_comm, dims, dtype) if call.rings is not None
+                else self.choose_bwd_mode(call, dims, dtype))
+        args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)
+        with abort_on_device_error(self.comm):
+            if call.rings is not None:
+                dq, dk, dv, st = twolevel_backward.backward(call, mode, *args)
+            elif mode == "two-way":
+                dq, dk, dv, st = twoway.backward(call, *args)
+            else:
+                dq, dk, dv, st = ring.backward(call, mode, *args)
+            self._finish(call)
+        self.last_stats.backward, self.last_stats.bwd_mode = st, mode
+        self.last_stats.transport = self._transport_name(call)
+        self.last_stats.buffer_bytes = self.buffer_bytes
+        return like(dq, q), like(dk, k), like(dv, v)

@@ -1,0 +1,134 @@
+"""Sequence shards to head shards and back, inside a group of ranks: one all-to-all each way.
+
+Head parallelism (``burstmpi._heads``, DeepSpeed-Ulysses' exchange) gives each of the u
+ranks of a group all the group's tokens for 1/u of the heads: rank i sends member j the
+heads j serves of its own tokens, and receives from every member that member's tokens of
+the heads it serves itself. The group's tokens are kept in increasing position (the
+merged layout ``NAME/u`` of ``burstmpi.masks._layout``), so each member's rows land at their
+places in that order, not one member after another.
+
+Two ways to move the shares, one exchange per array and direction:
+
+- ``MPI.Ialltoallv`` of bytes completed within the deadline, on host arrays (GPU arrays are staged through host memory
+  when the ring's transport is MPI). Counts are bytes, so a member's share over
+  2**31 - 1 bytes needs MPI-4's large-count routines, which mpi4py 4 calls where the MPI
+  library has them: a 2 GiB + 64 B exchange between 2 ranks arrived intact with mpi4py
+  4.1.2 and MPICH 5.0.2. An MPI without them was not tried.
+- A transport's point-to-point transfers (``transport=``: NCCL on GPUs, the plan's
+  transport ``on`` the group's communicator): every share to its member and every share
+  from it, posted as one group, so NCCL runs them as one all-to-all on its stream, ordered
+  after the kernels that wrote the shares and before those that read them, with no copy
+  through the host. NCCL has no all-to-all call of its own; grouped sends and receives
+  are how it is written (a member's own share is a device copy). Empty shares are sent by
+  nobody and awaited by nobody (both sides know the counts).
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from .mpi import MPITransport
+
+__all__ = ["HeadExchange"]
+
+
+TAG = 51  # the point-to-point exchange's messages (a transport of the group's own)
+
+
+class HeadExchange:
+    """The all-to-all of one group: ``comm`` (the group's ranks, in group order) and the
+    positions each member holds (``positions[m]``, increasing). ``transport``: None for
+    ``MPI.Ialltoallv`` of host arrays, or a transport over ``comm`` whose grouped
+    point-to-point transfers carry the shares (NCCL: arrays of ``xp``, CuPy)."""
+
+    def __init__(self, comm, positions, transport=None, xp=np, waits=None):
+        self.comm, self.transport, self.xp = comm, transport, xp
+        # Without a transport: a host transport over ``comm`` whose deadline the
+        # nonblocking Alltoallv is completed with (``watchdog.complete``).
+        self.waits = MPITransport(comm) if waits is None else waits
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        merged = np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int64)
+        self.counts = [len(p) for p in positions]
+        self.rows = len(merged)
+        # Where member m's rows sit among the group's (as indices of the arrays' module).
+        self.places = [xp.asarray(np.searchsorted(merged, p)) for p in positions]
+        self.bytes_sent = 0
+
+    def _exchange(self, parts, recv_shapes, dtype):
+        """Send ``parts[j]`` (arrays) to member j; return the arrays received from each member,
+        of ``recv_shapes`` and ``dtype``."""
+        xp = self.xp
+        item = np.dtype(dtype).itemsize
+        send = xp.concatenate([xp.ascontiguousarray(p).reshape(-1).view(xp.uint8) for p in parts]) \
+            if parts else xp.zeros(0, xp.uint8)
+        scounts = [p.size * item for p in parts]
+        rcounts = [int(np.prod(s)) * item for s in recv_shapes]
+        recv = xp.empty(sum(rcounts), xp.uint8)
+        if self.transport is None:
+            self.waits.complete([self.comm.Ialltoallv([send, (scounts, _displs(scounts)), MPI.BYTE],
+                                                      [recv, (rcounts, _displs(rcounts)), MPI.BYTE])],
+                                "the all-to-all of head parallelism")
+        else:
+            self._point_to_point(send, scounts, recv, rcounts)
+        self.bytes_sent += sum(c for j, c in enumerate(scounts) if j != self.rank)
+        out, at = [], 0
+        for shape, n in zip(recv_shapes, rcounts):
+            out.append(recv[at:at + n].view(dtype).reshape(shape))
+            at += n
+        return out
+
+    def _point_to_point(self, send, scounts, recv, rcounts):
+        """The exchange as one group of sends and receives on ``transport``, waited for (on
+        NCCL: the compute stream waits; the host does not)."""
+        sd, rd = _displs(scounts), _displs(rcounts)
+        me = self.rank
+        recv[rd[me]:rd[me] + rcounts[me]] = send[sd[me]:sd[me] + scounts[me]]
+        t, reqs, peers = self.transport, [], []
+        with t.group():
+            for j in range(self.size):
+                if j != me and scounts[j]:
+                    reqs.append(t.isend(send[sd[j]:sd[j] + scounts[j]], j, TAG))
+                    peers.append(("send a head share to", j))
+                if j != me and rcounts[j]:
+                    reqs.append(t.irecv(recv[rd[j]:rd[j] + rcounts[j]], j, TAG))
+                    peers.append(("receive a head share from", j))
+        t.wait(reqs, peers)
+
+    def to_heads(self, x, heads):
+        """``x`` (B, C_me, H, ...), this rank's tokens of every head, to (B, C_group, h, ...):
+        the group's tokens of the heads ``heads[self.rank]`` (``heads[j]``: the slice of
+        head indices member j serves; replicated heads may repeat between members)."""
+        x = self.xp.asarray(x)
+        B, rest = x.shape[0], x.shape[3:]
+        mine = heads[self.rank]
+        h = mine.stop - mine.start
+        parts = [x[:, :, heads[j]] for j in range(self.size)]
+        got = self._exchange(parts, [(B, c, h) + rest for c in self.counts], x.dtype)
+        out = self.xp.empty((B, self.rows, h) + rest, x.dtype)
+        for place, part in zip(self.places, got):
+            out[:, place] = part
+        return out
+
+    def to_tokens(self, y, heads, nheads, add=False):
+        """The way back: ``y`` (B, C_group, h, ...), the group's tokens of this rank's heads, to
+        (B, C_me, nheads, ...), this rank's tokens of every head. Heads served by several
+        members (replicated K/V heads) are summed in member order where ``add`` (in ``y``'s
+        dtype: the caller hands unrounded shares), else taken from the first member."""
+        xp = self.xp
+        y = xp.asarray(y)
+        B, rest = y.shape[0], y.shape[3:]
+        parts = [y[:, place] for place in self.places]
+        mine = self.counts[self.rank]
+        got = self._exchange(parts, [(B, mine, h.stop - h.start) + rest for h in heads], y.dtype)
+        if add:
+            out = xp.zeros((B, mine, nheads) + rest, y.dtype)
+            for sl, part in zip(heads, got):
+                out[:, :, sl] += part
+            return out
+        out = xp.empty((B, mine, nheads) + rest, y.dtype)
+        for sl, part in reversed(list(zip(heads, got))):  # the first member's copy wins
+            out[:, :, sl] = part
+        return out
+
+
+def _displs(counts):
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist() if counts else []
