@@ -6,7 +6,6 @@ from typing import Optional
 
 import numpy as np
 
-from ._config import FIELDS
 from ._gpu.device import abort_on_device_error
 from ._heads import HeadParallel, check_head_parallel
 from ._interop import like
@@ -59,11 +58,6 @@ def _short(text, most=60):
 def _delegate(name, doc):
     """A plan attribute that is its runtime's."""
     return property(lambda self: getattr(self.runtime, name), doc=doc)
-
-
-# The settings with a keyword (``config.FIELDS``) besides ``backend`` and ``timeout``, which
-# the signatures name first.
-SETTINGS = tuple(f.keyword for f in FIELDS if f.keyword not in (None, "backend", "timeout"))
 
 
 class BurstAttention:
@@ -174,9 +168,11 @@ class BurstAttention:
                      check=check, cuda_aware_mpi=cuda_aware_mpi, ranks_per_node=ranks_per_node, link_gbps=link_gbps)
         self.runtime = runtime if runtime is not None else Runtime(
             fn, comm, backend=backend, transport=transport, device=device, timeout=timeout, **given)
-        # What a ring of groups (head parallelism) builds its own plans from.
-        self._made_with = dict(backend=backend, transport=transport, device=device, timeout=self.runtime.timeout,
-                               **given)
+        # What a ring of groups (head parallelism) builds its own runtime from: this plan's
+        # settings as they were read, not the environment again.
+        rt = self.runtime
+        self._made_with = dict(backend=rt.injected or "auto", transport=transport, device=device,
+                               settings=rt.settings)
         self.causal, self.window_arg = bool(causal), None if window is None else tuple(window)
         self.window = Bounds(causal, window)
         self.mask = mask

@@ -55,10 +55,12 @@ class Runtime:
     callable making a transport from a communicator, and ``backend`` a backend object:
     those run every call (tests inject emulated kernels and ordered transports this way).
     ``nodes``: the ranks' nodes where the caller knows them (head parallelism's ring of
-    groups), else discovered by the first call.
+    groups), else discovered by the first call. ``settings``: settings already resolved
+    (another runtime's), in place of the keywords.
     """
 
-    def __init__(self, fn, comm=None, *, backend="auto", transport="auto", device=None, nodes=None, **keywords):
+    def __init__(self, fn, comm=None, *, backend="auto", transport="auto", device=None, nodes=None, settings=None,
+                 **keywords):
         made = callable(transport)  # a transport factory (dependency injection)
         injected = None if isinstance(backend, str) else backend  # a backend object (dependency injection)
         if injected is None and backend not in BACKENDS:
@@ -68,7 +70,8 @@ class Runtime:
         if not made and transport not in TRANSPORTS:
             raise ValueError(f"{fn}: transport: expected 'auto', 'nccl', 'mpi' or 'shm', got {transport!r}")
         # ``backend="auto"`` leaves the choice to BURSTMPI_BACKEND (itself "auto" by default).
-        cfg = Settings.resolve(fn, backend=backend if injected is None and backend != "auto" else None, **keywords)
+        cfg = settings if settings is not None else Settings.resolve(
+            fn, backend=backend if injected is None and backend != "auto" else None, **keywords)
         if transport == "nccl" and cfg.backend == "cpu":
             raise ValueError(f"{fn}: transport: 'nccl' moves GPU buffers; backend='cpu' needs 'auto', 'mpi' or 'shm'")
         if transport == "shm" and cfg.backend == "cuda":
