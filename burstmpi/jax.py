@@ -13,8 +13,8 @@ removed, and one rank's ring would then wait for another's forever). The residua
 k, v, out and lse.
 
 Memory: a host callback receives host arrays. CPU arrays pass through without a copy to the
-NumPy backend. Arrays on a GPU are staged through host memory by XLA (and then run on the
-NumPy backend): that is slow, so it says so with a warning the first time; for GPU arrays use
+CPU backend. Arrays on a GPU are staged through host memory by XLA (and then run on the
+CPU backend): that is slow, so it says so with a warning the first time; for GPU arrays use
 the torch adapter or call ``burstmpi.attention`` on the arrays (DLPack, zero-copy) outside
 ``jit``.
 
@@ -118,6 +118,6 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     if not _warned and any(_on_gpu(x) for x in (q, k, v)):
         _warned.append(True)
         warnings.warn("burstmpi.jax.attention: GPU arrays go through host callbacks (XLA copies them to "
-                      "host memory and back) and run on the NumPy backend; for GPU speed call "
+                      "host memory and back) and run on the CPU backend; for GPU speed call "
                       "burstmpi.attention on the arrays outside jit, or use burstmpi.torch", stacklevel=2)
     return fn(q, k, v)

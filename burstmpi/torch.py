@@ -8,7 +8,7 @@
 forward runs the ring's forward and saves q, k, v, out and lse (nothing else); the backward
 runs burstmpi's own backward (every rank calls it: the loss's backward is collective, as
 in any data-parallel step). Any subset of q, k, v may require grad, and they may be
-non-leaf tensors (projections). CPU tensors run on the NumPy backend through zero-copy
+non-leaf tensors (projections). CPU tensors run on the CPU backend through zero-copy
 NumPy views; CUDA tensors on the CUDA backend through DLPack, on the tensor's current
 stream. Gradients come back in the inputs' dtype and device.
 

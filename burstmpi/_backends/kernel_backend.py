@@ -2,7 +2,7 @@
 
 ``KernelBackend`` implements the backend interface of ``burstmpi._ring.flat`` by describing
 kernel launches (``burstmpi._gpu.kernels``) on the arrays the ring hands it, in the same
-working layouts as the NumPy backend:
+working layouts as the CPU backend:
 
     query side  q, do, dq, acc : (B, Zkv, C, g, d)     row scalars D, lse, m, l : (B, Zkv, C, g)
     key side    k, v, dk, dv   : (B, Zkv, C, d)

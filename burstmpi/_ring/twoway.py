@@ -16,7 +16,7 @@ chains and two sends home per block, and a holder could add to neither until the
 before it had): K/V travel along their arcs and Q/dO/D/lse along theirs, and a rank
 computes dQ of its own queries with every K/V block that reaches it and dK/dV of its own
 keys with every Q block that reaches it. burstmpi's CUDA kernels compute dQ and dK/dV in
-separate kernels anyway, so this costs the GPU no extra work; the NumPy backend
+separate kernels anyway, so this costs the GPU no extra work; the CPU backend
 recomputes the scores once more (7 tile GEMMs per block pair instead of 5), which is why
 "auto" picks this backward only on backends where the split is free
 (``BurstAttention.choose_bwd_mode``). Used from 3 ranks up: with 2 ranks both directions
