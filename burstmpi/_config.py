@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["Field", "FIELDS", "Settings", "settings", "backend_name"]
+__all__ = ["Field", "FIELDS", "Settings", "settings", "check_setting", "backend_name"]
 
 
 class Field(NamedTuple):
@@ -90,6 +90,13 @@ class Settings:
 def settings():
     """The settings the environment gives now (``Settings.from_env``)."""
     return Settings.from_env()
+
+
+def check_setting(fn, name, value):
+    """``value`` of the keyword ``name`` as ``Settings`` holds it, or the error naming ``fn``
+    and the keyword (what ``Settings.resolve`` raises; the functional calls check their own
+    ``timeout`` with it)."""
+    return _check(_BY_NAME[name], value, f"{fn}: {name}")
 
 
 def backend_name(value, where):

@@ -30,7 +30,6 @@ sees in ``mpiexec``'s output.
 
 import contextlib
 import functools
-import numbers
 import os
 import pickle
 import sys
@@ -40,13 +39,15 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .._config import Settings, check_setting
+
 __all__ = ["EXIT_TIMEOUT", "EXIT_EXCEPTION", "DEFAULT_TIMEOUT", "PREFIX", "complete", "guard", "guarded",
            "allgather", "bcast", "collective", "GuardedComm", "gather_on_root", "barrier",
            "expire", "abort", "entering", "leaving", "learn_hosts", "who", "check_timeout", "install_excepthook"]
 
 EXIT_TIMEOUT = 75     # sysexits' EX_TEMPFAIL: the job did not fail by itself; a rerun may pass
 EXIT_EXCEPTION = 1    # an uncaught exception on one rank (``install_excepthook``), as Python exits
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = Settings.timeout  # BURSTMPI_TIMEOUT's default
 PREFIX = "burstmpi watchdog: "
 # A rank that cannot reach its launcher (its host cut off) is not ended by MPI_Abort's
 # message to mpiexec; it ends itself this long after asking.
@@ -57,13 +58,9 @@ _call = [None]        # the burstmpi call in progress on this rank
 
 
 def check_timeout(fn, timeout):
-    """``timeout`` as a float number of seconds > 0, or ValueError naming ``fn``."""
-    ok = (not isinstance(timeout, (bool, np.bool_)) and isinstance(timeout, numbers.Real)
-          and 0 < float(timeout) < float("inf"))
-    if not ok:
-        raise ValueError(f"{fn}: timeout: expected a finite number of seconds > 0 (or None: BURSTMPI_TIMEOUT, "
-                         f"default {DEFAULT_TIMEOUT:.0f}), got {timeout!r}")
-    return float(timeout)
+    """``timeout`` as a float number of seconds > 0, or ValueError naming ``fn`` (the
+    ``timeout`` keyword's check, ``config.check_setting``)."""
+    return check_setting(fn, "timeout", timeout)
 
 
 # -- who and where ------------------------------------------------------------------------
