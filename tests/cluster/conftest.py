@@ -49,7 +49,9 @@ def cluster(request):
 @pytest.fixture
 def hosts(cluster):
     """The cluster, with nothing running on any host and empty /dev/shm before and after
-    the test (a fault test checks the leftovers itself before this scrubs them)."""
+    the test (a fault test checks the leftovers itself before this scrubs them), and every
+    host's link carrying packets to the head before it (after a fault's undo)."""
     cluster.scrub()
+    cluster.wait_reachable()
     yield cluster
     cluster.scrub()

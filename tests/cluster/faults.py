@@ -12,7 +12,8 @@
 - ``kill_host``: SIGKILL to every process of the host (proxy and ranks), as a node that
   crashes or is rebooted.
 Each returns a function that undoes it (a no-op for ``kill_host``), so a test can restore
-the cluster whatever happened.
+the cluster whatever happened; the ``hosts`` fixture then checks that every host reaches the
+head again (``Cluster.wait_reachable``) before the next test launches anything.
 """
 
 import shutil
@@ -25,9 +26,14 @@ LOSS_TABLE = "burstmpi_loss"  # nftables table name, one per namespace that has 
 
 
 def pull_link(cluster, host):
-    """Set ``host``'s bridge port down; return the undo (set it up again)."""
+    """Set ``host``'s bridge port down; return the undo (set it up again, and wait until the
+    host reaches the head: the next test's launch must not race the link's return)."""
     run(["ip", "link", "set", host.port, "down"])
-    return lambda: run(["ip", "link", "set", host.port, "up"])
+
+    def undo():
+        run(["ip", "link", "set", host.port, "up"])
+        cluster.wait_reachable([host])
+    return undo
 
 
 def missing_nft():

@@ -25,6 +25,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -242,6 +243,33 @@ class Cluster:
             if left:
                 found[h.name] = left
         return found
+
+    def wait_reachable(self, hosts=None, timeout=20.0):
+        """Wait until each of ``hosts`` (default: all) opens a TCP connection to the head (the
+        bridge's address), as a launcher's far side must; return {host: seconds it took}.
+        A link set up again after a fault can take a moment to carry packets (the neighbour
+        entries a dead link failed are learned anew); a host still cut off after
+        ``timeout`` s raises ``ClusterError`` naming it, instead of a job failing later to
+        launch there."""
+        took = {}
+        with socket.create_server((self.bridge_address, 0)) as server:
+            port = server.getsockname()[1]
+            probe = ("import socket, sys, time\n"
+                     f"deadline = time.monotonic() + {timeout}\n"
+                     "while True:\n"
+                     "    try:\n"
+                     f"        socket.create_connection(({self.bridge_address!r}, {port}), timeout=2).close(); break\n"
+                     "    except OSError as e:\n"
+                     "        if time.monotonic() > deadline: sys.exit(f'{e}')\n"
+                     "        time.sleep(0.2)\n")
+            for h in hosts or self.hosts:
+                start = time.monotonic()
+                proc = run(h.enter([sys.executable, "-I", "-c", probe]), timeout=timeout + 10, check=False)
+                if proc.returncode != 0:
+                    raise ClusterError(f"{h.name} ({h.address}) cannot reach the head {self.bridge_address} "
+                                       f"within {timeout} s: {proc.stderr.strip()[-500:]}")
+                took[h.name] = time.monotonic() - start
+        return took
 
     def scrub(self):
         """Kill every process and empty /dev/shm on every host, and end the ssh stand-ins of

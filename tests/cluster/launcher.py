@@ -16,7 +16,8 @@ stalls them, and ending this process only closes the connection (the far side th
 forwarding, as sshd does for a session without a terminal; the command runs on).
 
 Exit status: the command's; 255 when the host cannot be reached or the connection closes
-before the command ends (ssh's convention).
+before the command ends (ssh's convention). The far side's own errors (before it calls back,
+e.g. a connect that failed) go to a log in a temporary file, printed if it never calls back.
 """
 
 import json
@@ -26,6 +27,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 
 __all__ = ["split_ssh_args", "main"]
 
@@ -87,14 +89,18 @@ def main(argv):
         port = server.getsockname()[1]
         far_side = entry["enter"] + [state["python"], "-I", state["remote"], state["bridge_address"], str(port),
                                      token, command]
-        subprocess.Popen(far_side, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True, close_fds=True)
-        try:
-            conn, _ = server.accept()
-        except socket.timeout:
-            print(f"launcher: {host} ({entry['name']}) did not call back within {CONNECT_TIMEOUT} s",
-                  file=sys.stderr)
-            return 255
+        with tempfile.TemporaryFile() as log:
+            far = subprocess.Popen(far_side, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                   start_new_session=True, close_fds=True)
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                log.seek(0)
+                said = log.read().decode(errors="replace").strip()[-2000:]
+                status = "still running" if far.poll() is None else f"exit {far.poll()}"
+                print(f"launcher: {host} ({entry['name']}) did not call back within {CONNECT_TIMEOUT} s "
+                      f"(the far side: {status}; its stderr: {said or 'nothing'})", file=sys.stderr)
+                return 255
     with conn:
         conn.settimeout(None)
         if receive(conn, len(token)) != token.encode():

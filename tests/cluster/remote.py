@@ -11,6 +11,12 @@ terminal:
 - after the command ends it tries for ``LINGER`` seconds to deliver what is left, then
   gives up (sshd would wait for TCP to time out; no test needs that).
 It runs in a session of its own, so nothing but the connection ties it to the launcher.
+
+Connecting back is retried until ``CONNECT_FOR`` seconds have passed, as ssh's client
+retries a SYN: a link that has just come back up (a fault test's undo) may drop the first
+packets or answer "no route to host" while the neighbour entry is re-learned. Each failed
+try is written to stderr, which the launcher keeps in a log and prints if we never call
+back.
 """
 
 import selectors
@@ -24,10 +30,27 @@ STDOUT, STDERR, EXIT = 1, 2, 3
 HEADER = struct.Struct("!BI")
 WINDOW = 1 << 20  # bytes (sshd's channel window is of this order)
 LINGER = 10.0     # seconds
+CONNECT_FOR = 25.0  # seconds of tries to call back (the launcher waits 30)
+
+
+def connect(address, port):
+    """A connection to the launcher, retried (0.2 s doubling to 2 s apart) for ``CONNECT_FOR`` s."""
+    deadline, pause = time.monotonic() + CONNECT_FOR, 0.2
+    while True:
+        try:
+            return socket.create_connection((address, port), timeout=max(1.0, deadline - time.monotonic()))
+        except OSError as e:
+            left = deadline - time.monotonic()
+            print(f"remote: connecting to {address}:{port}: {e}; {max(left, 0):.1f} s of tries left",
+                  file=sys.stderr, flush=True)
+            if left <= 0:
+                raise
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 2.0)
 
 
 def main(address, port, token, command):
-    conn = socket.create_connection((address, int(port)), timeout=10)
+    conn = connect(address, int(port))
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # sshd's TCPKeepAlive yes
     conn.sendall(token.encode())
     conn.setblocking(False)
