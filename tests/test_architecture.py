@@ -145,7 +145,7 @@ def test_no_module_over_about_500_lines():
 
 
 BELOW_THE_PLAN = ("_ring", "_transport", "_backends", "masks")
-PLAN_WORDS = {"plan", "BurstAttention", "KVCache"}  # names that would hold or make a plan
+PLAN_WORDS = {"plan", "BurstAttention", "KVCache"}  # names (and attributes: `x.plan`) that would hold or make a plan
 PLAN_ATTRIBUTES = {"runtime", "last_stats", "last_call", "_rings", "_heads", "head_parallel"}  # only a plan has them
 
 
@@ -162,7 +162,7 @@ def plan_uses(path):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} takes `{arg.arg}`")
         elif isinstance(node, ast.Name) and node.id in PLAN_WORDS:
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses `{node.id}`")
-        elif isinstance(node, ast.Attribute) and node.attr in PLAN_ATTRIBUTES:
+        elif isinstance(node, ast.Attribute) and (node.attr in PLAN_ATTRIBUTES or node.attr in PLAN_WORDS):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} reads `.{node.attr}`")
     return found
 
