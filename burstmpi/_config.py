@@ -7,16 +7,25 @@ running plan). ``FIELDS`` lists every setting: its variable, its keyword (None: 
 environment only, for the settings that are process-wide or simulation aids), default and
 what it expects; ``docs/guide/configuration.md`` has the table a test checks against it.
 This is the one module that reads ``BURSTMPI_*``.
+
+The kernel rate ``topology="auto"`` plans with (``Settings.kernel_rate``) is the one
+setting whose default is not a constant: where ``kernel_tflops`` is not given, the rate
+``burstmpi-gpucheck`` measured on this GPU model, kept in the rate file (``rates_path``),
+else a nominal one.
 """
 
+import datetime
+import json
 import math
 import numbers
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["Field", "FIELDS", "Settings", "settings", "check_setting", "backend_name"]
+__all__ = ["Field", "FIELDS", "Settings", "settings", "check_setting", "backend_name", "NOMINAL_TFLOPS",
+           "rates_path", "stored_rate", "store_rate"]
 
 
 class Field(NamedTuple):
@@ -24,7 +33,7 @@ class Field(NamedTuple):
     variable: str      # the environment variable
     keyword: Optional[str]  # the keyword of BurstAttention and KVCache, or None: environment only
     default: object
-    kind: str          # "choice", "int", "float", "bool", "pair", "timeout"
+    kind: str          # "choice", "int", "float", "bool", "pair", "timeout", "rate"
     spec: object = None  # a choice's choices; a number's minimum
 
 
@@ -44,7 +53,15 @@ FIELDS = (
     # A simulation aid (slowed host transfers between fake nodes): environment only.
     Field("internode_gbps", "BURSTMPI_INTERNODE_GBPS", None, 0.0, "float", 0),
     Field("link_gbps", "BURSTMPI_LINK_GBPS", "link_gbps", None, "pair"),
+    Field("kernel_tflops", "BURSTMPI_KERNEL_TFLOPS", "kernel_tflops", None, "rate"),
 )
+
+# topology="auto"'s kernel rate (TFLOP/s a rank, forward and backward) where neither the
+# setting nor a measurement gives one: for host arrays about this project's CPU backend on
+# one core, for GPU arrays a nominal rate of data-centre GPUs' attention kernels. Both
+# rings compute the same pairs, so the rate only sets how much compute hides the transfers.
+NOMINAL_TFLOPS = {"host": 0.05, "cuda": 200.0}
+RATES_BY = "burstmpi-gpucheck"  # who writes the rate file
 
 _BY_NAME = {f.name: f for f in FIELDS}
 
@@ -66,6 +83,7 @@ class Settings:
     ranks_per_node: int = 0
     internode_gbps: float = 0.0
     link_gbps: Optional[Tuple[float, float]] = None
+    kernel_tflops: Optional[float] = None
 
     @classmethod
     def from_env(cls):
@@ -85,6 +103,21 @@ class Settings:
             if value is not None:
                 given[name] = _check(f, value, f"{fn}: {f.keyword}")
         return replace(cls.from_env(), **given)
+
+    def kernel_rate(self, where, device=None):
+        """``(forward, backward, source)``: the TFLOP/s of one rank's kernels that
+        ``topology="auto"`` plans with, for arrays on ``where`` ("host" or "cuda"; ``device``:
+        the GPU's name). ``kernel_tflops`` where it is set (source "setting"); else for a
+        GPU the rates ``burstmpi-gpucheck`` measured on one of its model (``stored_rate``;
+        "measured by burstmpi-gpucheck on DATE"); else ``NOMINAL_TFLOPS`` ("nominal").
+        The rate file is read here, when a plan first asks: the plan keeps the answer."""
+        if self.kernel_tflops is not None:
+            return self.kernel_tflops, self.kernel_tflops, "setting"
+        entry = stored_rate(device) if where == "cuda" and device is not None else None
+        if entry is not None:
+            return entry["fwd_tflops"], entry["bwd_tflops"], f"measured by {RATES_BY} on {entry['date']}"
+        nominal = NOMINAL_TFLOPS[where]
+        return nominal, nominal, "nominal"
 
 
 def settings():
@@ -107,6 +140,80 @@ def backend_name(value, where):
                       "tiles over BLAS, or NumPy where numba is missing)", FutureWarning, stacklevel=5)
         return "cpu"
     return value
+
+
+def rates_path():
+    """The rate file: ``$XDG_CACHE_HOME/burstmpi/rates.json``, or
+    ``~/.cache/burstmpi/rates.json`` where that variable is unset or not an absolute path
+    (the XDG base directory rule)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "burstmpi", "rates.json")
+
+
+def _read_rates(path):
+    """The rate file's entries ({device name: entry}); {} where there is none. A file that
+    is not one (not JSON, not an object) is ignored with a warning saying so: the job then
+    plans with the nominal rate, which ``last_stats.rate_source`` says."""
+    try:
+        with open(path) as f:
+            got = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        warnings.warn(f"{path}: ignored, not a readable rate file of {RATES_BY} ({e})", RuntimeWarning, stacklevel=4)
+        return {}
+    if not isinstance(got, dict):
+        warnings.warn(f"{path}: ignored, expected a JSON object {{device name: rates}}, got {type(got).__name__}",
+                      RuntimeWarning, stacklevel=4)
+        return {}
+    return got
+
+
+def _rate_ok(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf
+
+
+def stored_rate(device, path=None):
+    """The entry the rate file (``path``, default ``rates_path()``) holds for the GPU named
+    ``device``: ``{"fwd_tflops", "bwd_tflops", "date", ...}``, or None. An entry without
+    two positive rates and a date is ignored with a warning."""
+    path = rates_path() if path is None else path
+    entry = _read_rates(path).get(device)
+    if entry is None:
+        return None
+    if not (isinstance(entry, dict) and _rate_ok(entry.get("fwd_tflops")) and _rate_ok(entry.get("bwd_tflops"))
+            and isinstance(entry.get("date"), str)):
+        warnings.warn(f"{path}: the entry of {device!r} is ignored: expected positive fwd_tflops and bwd_tflops "
+                      f"and a date, got {entry!r}", RuntimeWarning, stacklevel=3)
+        return None
+    return entry
+
+
+def store_rate(device, fwd_tflops, bwd_tflops, path=None, **about):
+    """Record the rates measured on the GPU named ``device`` in the rate file (``path``,
+    default ``rates_path()``), with today's date and ``about`` (what was timed), keeping
+    the other devices' entries. Written to a temporary file and renamed, so a reader never
+    sees half a file. Returns the path."""
+    if not (_rate_ok(fwd_tflops) and _rate_ok(bwd_tflops)):
+        raise ValueError(f"store_rate: expected two positive rates in TFLOP/s, got {fwd_tflops!r}, {bwd_tflops!r}")
+    path = rates_path() if path is None else path
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    rates = _read_rates(path)
+    rates[device] = dict(fwd_tflops=float(fwd_tflops), bwd_tflops=float(bwd_tflops),
+                         date=datetime.date.today().isoformat(), by=RATES_BY, **about)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".rates-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(rates, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
 
 
 def _from_env(f):
@@ -148,6 +255,13 @@ def _check(f, value, where, text=False):
         if not ok:
             raise ValueError(f"{where}: expected two positive numbers (GB/s inside a node, between nodes), got {got}")
         return tuple(float(x) for x in value)
+    if f.kind == "rate":
+        if text:
+            value = _number(float, value, where, -math.inf)  # a number; its range is checked below
+        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < float(value) < math.inf
+        if not ok:
+            raise ValueError(f"{where}: expected a finite number of TFLOP/s > 0, got {got}")
+        return float(value)
     if f.kind == "timeout" and not text:
         ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < float(value) < math.inf)
         if not ok:

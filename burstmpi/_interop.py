@@ -5,9 +5,13 @@ without copying where the producer allows it; ``like`` turns a NumPy result back
 the caller's type (NumPy in, NumPy out; torch in, torch out; JAX in, JAX out) through
 array-api-compat. bfloat16 has no DLPack path into NumPy, so it crosses as raw 16-bit
 words and is reinterpreted on the other side (ml_dtypes provides NumPy's bfloat16).
+Where CuPy arrays cross between host and device memory, the copy is counted
+(``burstmpi._transfers``).
 """
 
 import numpy as np
+
+from . import _transfers
 
 __all__ = ["bfloat16", "to_host", "to_numpy", "to_device", "like", "is_host", "cupyx_pinned"]
 
@@ -65,9 +69,8 @@ def to_numpy(x, name, fn):
         return np.asarray(x)
     if is_host(x):
         return to_host(x, name, fn)
-    get = getattr(x, "get", None)  # CuPy
-    if get is not None:
-        return np.asarray(get())
+    if hasattr(x, "get"):  # CuPy
+        return np.asarray(_transfers.to_host(x))
     if _is_torch(x):
         return x.detach().cpu().numpy()
     return np.asarray(x)  # JAX and other array-API producers copy to the host
@@ -80,7 +83,7 @@ def to_device(x, name, fn, cupy):
     if isinstance(x, cupy.ndarray):
         return x
     if is_host(x):
-        return cupy.asarray(to_host(x, name, fn))
+        return _transfers.to_device(cupy, to_host(x, name, fn))
     try:
         return cupy.from_dlpack(x)
     except Exception as e:
@@ -106,7 +109,7 @@ def like(result, ref):
         if _is_cupy(ref):
             return result
         if is_host(ref):
-            return like(result.get(), ref)
+            return like(_transfers.to_host(result), ref)
         if _is_torch(ref):
             import torch
 

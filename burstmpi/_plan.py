@@ -2,11 +2,11 @@
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
-from ._gpu.device import abort_on_device_error
+from ._gpu.device import abort_on_device_error, device_name
 from ._heads import HeadParallel, check_head_parallel
 from ._interop import like
 from .masks._intervals import Bounds
@@ -24,19 +24,17 @@ from ._validate import (check_backward, check_cu_seqlens, check_forward, check_l
 
 __all__ = ["BurstAttention", "PhaseStats", "Stats"]
 
-# topology="auto": the kernel rate (TFLOP/s a rank, forward and backward) the model assumes,
-# for host arrays about this project's CPU backend on one core, for GPU arrays a nominal
-# rate of data-centre GPUs' attention kernels (ours have not been timed on one yet). Both
-# rings compute the same pairs, so the rate only sets how much compute hides the transfers
-# (``BurstAttention._auto_topology``).
-_NOMINAL_TFLOPS = {"host": 0.05, "cuda": 200.0}
-
 
 @dataclass
 class Stats:
     """``last_stats`` of a plan: the latest forward and backward, and the choices made.
 
     ``buffer_bytes`` is the memory the plan keeps for ring buffers between calls.
+    ``rate_tflops`` is the (forward, backward) kernel rate a rank, in TFLOP/s, with which
+    ``topology="auto"`` asked the performance model for the latest call, and
+    ``rate_source`` where it came from: "setting" (``kernel_tflops``), "measured by
+    burstmpi-gpucheck on DATE" (the rate file), or "nominal"; both None where the model
+    was not asked (another topology, or one node).
     """
 
     forward: Optional[PhaseStats] = None
@@ -46,6 +44,8 @@ class Stats:
     backend: str = "cpu"
     transport: str = "mpi"
     buffer_bytes: int = 0
+    rate_tflops: Optional[Tuple[float, float]] = None
+    rate_source: Optional[str] = None
 
     def as_dict(self):
         return asdict(self)
@@ -121,8 +121,12 @@ class BurstAttention:
         else measured once per plan and kind of arrays: a few MB each way between
         neighbours, by MPI on the host or by the plan's GPU transport on the GPU;
         ``burstmpi._transport.links``): two-level where it predicts it 5 % faster, which
-        takes inter-node links slower than the node's; else flat.
-        ``last_stats.topology`` says which ran. Nodes: ``burstmpi._transport.nodes``
+        takes inter-node links slower than the node's; else flat. The model's kernel rate:
+        ``kernel_tflops``, else the rate ``burstmpi-gpucheck`` measured on this GPU model
+        (GPU arrays; the rate file of ``docs/guide/configuration.md``), else a nominal one
+        (200 TFLOP/s a GPU, 0.05 a CPU rank); the slowest rank's where they differ.
+        ``last_stats.topology`` says which ran, ``last_stats.rate_tflops`` and
+        ``rate_source`` at which rate. Nodes: ``burstmpi._transport.nodes``
         (``BURSTMPI_RANKS_PER_NODE``).
     head_parallel : int, default 1
         u > 1: groups of u consecutive ranks of one node share the heads (an all-to-all
@@ -134,7 +138,7 @@ class BurstAttention:
         has this deadline; on expiry the job is aborted with exit code 75 and a
         ``burstmpi watchdog:`` line naming who it waited for; see
         ``docs/guide/configuration.md``.
-    tile_q, tile_k, cpu_kernels, cpu_gemm, threads, check, cuda_aware_mpi, ranks_per_node, link_gbps : optional
+    tile_q, tile_k, cpu_kernels, cpu_gemm, threads, check, cuda_aware_mpi, ranks_per_node, link_gbps, kernel_tflops : optional
         Settings (``docs/guide/configuration.md`` has the table): None takes the
         ``BURSTMPI_*`` variable of the same name, else the default. Read once, here.
     runtime : burstmpi._runtime.Runtime, optional
@@ -159,13 +163,14 @@ class BurstAttention:
                  layout=None, bwd_comm="auto", backend="auto", transport="auto", device=None,
                  runtime=None, mask=None, head_parallel=1, topology="flat", timeout=None,
                  tile_q=None, tile_k=None, cpu_kernels=None, cpu_gemm=None, threads=None, check=None,
-                 cuda_aware_mpi=None, ranks_per_node=None, link_gbps=None):
+                 cuda_aware_mpi=None, ranks_per_node=None, link_gbps=None, kernel_tflops=None):
         fn = "BurstAttention"
         check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
                       bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel, topology=topology)
         self.topology = topology
         given = dict(tile_q=tile_q, tile_k=tile_k, cpu_kernels=cpu_kernels, cpu_gemm=cpu_gemm, threads=threads,
-                     check=check, cuda_aware_mpi=cuda_aware_mpi, ranks_per_node=ranks_per_node, link_gbps=link_gbps)
+                     check=check, cuda_aware_mpi=cuda_aware_mpi, ranks_per_node=ranks_per_node, link_gbps=link_gbps,
+                     kernel_tflops=kernel_tflops)
         self.runtime = runtime if runtime is not None else Runtime(
             fn, comm, backend=backend, transport=transport, device=device, timeout=timeout, **given)
         # What a ring of groups (head parallelism) builds its own runtime from: this plan's
@@ -183,7 +188,8 @@ class BurstAttention:
         self.caller = None  # the public function that made this plan, if not the user (its errors name it)
         self.head_parallel = int(head_parallel)
         self._kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``): ``_groups_ring``
-        self._links, self._auto = {}, {}  # topology="auto": link speeds per kind of arrays, choices per shape
+        # topology="auto": link speeds and kernel rates per kind of arrays, choices per shape
+        self._links, self._rates, self._auto = {}, {}, {}
         self._loads = {}  # bwd_comm="auto" on one node: the busiest rank's pairs per geometry (``_balanced``)
         self.last_stats = Stats()
         self.last_call = None  # the ``ring.context.Call`` of the latest call, for inspection
@@ -286,6 +292,7 @@ class BurstAttention:
         geo = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu, self.mask)
         d = dims[4]
         scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)
+        self.last_stats.rate_tflops = self.last_stats.rate_source = None  # set where the model is asked
         topology = "flat" if self.head_parallel > 1 else self._ring_topology(kind, dims, conv["q"].dtype, lay.seqlen)
         rings = None
         if topology == "two-level":  # the runtime's, per kind of arrays, device and transport
@@ -317,7 +324,8 @@ class BurstAttention:
         if self.head_parallel > 1:
             groups = self._groups()
             out, lse, st = groups.forward(call, self.mask, self.layout_name, h, dims, cu_seqlens, self._xp())
-            self.last_stats.forward, self.last_stats.topology = st, groups.topology
+            self.last_stats.forward = st
+            self._ring_of_groups_ran(groups)
             self.last_stats.buffer_bytes = self.buffer_bytes
             return like(out, q), like(lse, q)
         if call.rings is not None:
@@ -330,6 +338,13 @@ class BurstAttention:
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
         self.last_stats.transport = self._transport_name(call)
         return like(out, q), like(lse, q)
+
+    def _ring_of_groups_ran(self, groups):
+        """``last_stats`` after head parallelism's ring of groups ran: the ring it took, and
+        the kernel rate its ``topology="auto"`` asked the model with (its plan's stats)."""
+        ran = groups._last.last_stats  # the ring's plan of this call (``HeadParallel.topology`` reads it too)
+        self.last_stats.topology = groups.topology
+        self.last_stats.rate_tflops, self.last_stats.rate_source = ran.rate_tflops, ran.rate_source
 
     def _finish(self, call):
         """End of a phase: every transport that runs asynchronously (NCCL) checks that its
@@ -353,28 +368,42 @@ class BurstAttention:
         """The model's choice between the flat and the two-level ring for this call's shape
         (``model.topology.choose_topology``), at the links' configured or measured speeds
         (``transport.links``: measured once per plan and kind of arrays, collectively: MPI
-        on host buffers, or the plan's GPU transport on device buffers) and a nominal
-        kernel rate for ``where`` ("host" or "cuda"): both rings compute the same pairs,
-        so the rate decides only where both hide their transfers, and there they tie and
-        the flat ring is kept. Cached per shape; the same on every rank (the inputs are
-        agreed, the measurement reduced)."""
+        on host buffers, or the plan's GPU transport on device buffers) and the kernel rate
+        for ``where`` ("host" or "cuda"; ``_kernel_rate``): both rings compute the same
+        pairs, so the rate decides only where both hide their transfers, and there they tie
+        and the flat ring is kept. Cached per shape; the same on every rank (the inputs are
+        agreed, the measurements reduced). ``last_stats`` records the rate."""
         key = (where, tuple(dims), str(dtype), seqlen)
+        if where not in self._links:
+            gpu = dict(transport=self.transport, alloc=self.backend.alloc) if where == "cuda" else {}
+            self._links[where] = link_speeds(self.comm, self.runtime.nodes, timeout=self.runtime.timeout,
+                                             settings=self.runtime.settings, **gpu)
+            self._rates[where] = self._kernel_rate(where)
+        fwd, bwd, source = self._rates[where]
+        self.last_stats.rate_tflops, self.last_stats.rate_source = (fwd, bwd), source
         if key not in self._auto:
             nodes = self.runtime.nodes
-            if where not in self._links:
-                gpu = dict(transport=self.transport, alloc=self.backend.alloc) if where == "cuda" else {}
-                self._links[where] = link_speeds(self.comm, nodes, timeout=self.runtime.timeout,
-                                                 settings=self.runtime.settings, **gpu)
             intra, inter = self._links[where]
             B, _, Z, Zkv, d, dv = dims
             shape = Shape(B, seqlen, Z, Zkv, d, dv, np.dtype(dtype).itemsize, self.causal, self.window_arg)
             g = len(nodes.members[0])
-            rate = _NOMINAL_TFLOPS[where]
-            machine = Machine("auto", fwd_tflops=rate, bwd_tflops=rate, intra_gbps=intra, inter_gbps=inter,
+            machine = Machine("auto", fwd_tflops=fwd, bwd_tflops=bwd, intra_gbps=intra, inter_gbps=inter,
                               ranks_per_node=g)
             mode = None if self.bwd_comm == "auto" else self.bwd_comm
             self._auto[key] = choose_topology(shape, machine, self.nranks, self.layout_name, g, mode)
         return self._auto[key]
+
+    def _kernel_rate(self, where):
+        """``(forward, backward TFLOP/s, source)`` the model plans with for arrays on
+        ``where`` (``config.Settings.kernel_rate``: the setting, the rate file's measurement
+        for this GPU's model, or nominal), the slowest rank's: every rank must choose the
+        same ring, and the ring goes at its slowest rank's pace. Collective."""
+        backend = self.backend
+        gpu = where == "cuda" and getattr(backend, "xp", np) is not np  # a CuPy backend (not an emulated one)
+        mine = self.runtime.settings.kernel_rate(where, device_name(backend.xp, backend.device_id) if gpu else None)
+        every = allgather(self.comm, mine, self.runtime.timeout,
+                          "the allgather of the ranks' kernel rates (topology='auto')")
+        return min(every)
 
     def _transport_name(self, call):
         """``last_stats.transport`` after a call: the call may have fallen back to MPI, and
@@ -437,7 +466,8 @@ class BurstAttention:
             dq, dk, dv, st, mode = groups.backward(call, self.mask, self.layout_name, h, dims, cu_seqlens,
                                                    self._xp())
             self.last_stats.backward, self.last_stats.bwd_mode = st, mode
-            self.last_stats.buffer_bytes, self.last_stats.topology = self.buffer_bytes, groups.topology
+            self.last_stats.buffer_bytes = self.buffer_bytes
+            self._ring_of_groups_ran(groups)
             return like(dq, q), like(dk, k), like(dv, v)
         dtype = h["q"].dtype
         mode = (twolevel.choose_mode(self.bwd_comm, dims, dtype) if call.rings is not None

@@ -16,11 +16,12 @@ without CuPy or without a GPU makes every rank raise instead of leaving the othe
 import numpy as np
 from mpi4py import MPI
 
+from . import _transfers as transfers
 from ._backends import CpuBackend
 from ._backends.cupy_backend import CupyBackend
 from ._backends.cpu.threads import node_masks, shares_cores, threads_per_rank
 from ._config import Settings
-from ._gpu.device import import_cupy, node_rank, pick_device
+from ._gpu.device import check_capability, import_cupy, node_rank, pick_device
 from ._interop import cupyx_pinned, is_host, to_device, to_host
 from ._ring import flat as ring
 from ._transport import watchdog
@@ -43,6 +44,19 @@ def kernel_ready(xp, a):
     if a.flags.c_contiguous and a.data.ptr % 16 == 0:
         return a
     return xp.array(a, copy=True, order="C")
+
+
+class _Into:
+    """``transfers.to_device``'s array module for a copy into an existing device buffer
+    (the staged transport receives into the ring's): ``asarray`` copies a host array into
+    ``buf`` (CuPy's ``ndarray.set``), and the copy is counted like any other."""
+
+    def __init__(self, buf):
+        self.buf = buf
+
+    def asarray(self, host):
+        self.buf.set(host)
+        return self.buf
 
 
 class Runtime:
@@ -214,6 +228,7 @@ class Runtime:
         error, dev = None, None
         try:
             dev = pick_device(fn, local, cupy.cuda.runtime.getDeviceCount(), self.device_arg)
+            check_capability(fn, cupy, dev)  # an old GPU: refused on every rank, before compiling
             cupy.cuda.Device(dev).use()
         except (ValueError, RuntimeError) as e:
             error = e
@@ -233,16 +248,18 @@ class Runtime:
         ok = all(has_nccl for _, _, has_nccl in everyone)
         if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
             return nccl.NCCLTransport(self.comm, dev, timeout_s=self.timeout)
+        # Every wait and copy below is counted (``burstmpi._transfers``): per ring step, by design.
+        stream = cupy.cuda.get_current_stream
         if self.settings.cuda_aware_mpi:
-            return DeviceMPITransport(self.comm, lambda: cupy.cuda.get_current_stream().synchronize())
+            return DeviceMPITransport(self.comm, lambda: transfers.synchronize(stream()))
 
         def to_host(buf, out):
-            cupy.cuda.get_current_stream().synchronize()  # the producing kernels are done
-            buf.get(out=out)
+            transfers.synchronize(stream())  # the producing kernels are done
+            transfers.to_host(buf, out)
 
         def to_dev(host, buf):
-            buf.set(host)
-            cupy.cuda.get_current_stream().synchronize()  # host buffer free for the next receive
+            transfers.to_device(_Into(buf), host)
+            transfers.synchronize(stream())  # host buffer free for the next receive
 
         return StagedMPITransport(self.comm, to_host, to_dev,
                                   alloc_host=lambda n: cupyx_pinned(cupy, n))

@@ -20,7 +20,7 @@ from .masks._patterns import Mask
 __all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "TOPOLOGIES", "check_window", "check_mask", "check_options",
            "check_forward", "check_backward", "check_cu_seqlens", "check_lengths", "check_out", "agree",
            "report", "checksum",
-           "fingerprint", "global_layout", "layout_dependence", "check_layout_given"]
+           "fingerprint", "device_fingerprint", "global_layout", "layout_dependence", "check_layout_given"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 BWD_MODES = ("auto", "burst", "ring", "two-way")
@@ -169,6 +169,38 @@ def check_cu_seqlens(fn, cu_seqlens, seqlen=None):
 def fingerprint(a):
     """A cheap checksum of an array's bytes, for the agreement signature."""
     return None if a is None else (int(a.size), zlib.crc32(np.ascontiguousarray(a).view(np.uint8)))
+
+
+# Elements per step of ``device_fingerprint``: its temporaries (the weights and the weighted
+# words, uint64) stay within 16 MB however many tokens a call brings.
+FINGERPRINT_CHUNK = 1 << 20
+
+
+def device_fingerprint(xp, arrays):
+    """A 64-bit fingerprint of the bits of ``arrays`` (``xp``'s: NumPy or CuPy), computed
+    where they live and returned there as a 1-element uint64 array: no copy to the host, no
+    wait for the device, so a GPU call can check its arguments without a round trip (the
+    decode folds it into its message's header on the device).
+
+    Each element's bits, read as an unsigned integer of its width, are weighted by the odd
+    number 2i + 1 (i: its position, in C order whatever the strides, counting on across the
+    arrays) and summed modulo 2**64. An odd weight is invertible modulo 2**64, so a change
+    to any one element, in any of its bits, changes the sum; several changes are missed only
+    if their weighted differences cancel. Integer addition modulo 2**64 does not depend on
+    the order of the additions: every rank, and both backends, get the same value for the
+    same bits. Shapes are not in it (the signatures carry them)."""
+    total = xp.zeros(1, np.uint64)
+    start = 0
+    for a in arrays:
+        words = a.view(np.dtype(f"u{a.dtype.itemsize}")).reshape(-1)  # a copy only if a is strided
+        for lo in range(0, words.size, FINGERPRINT_CHUNK):
+            part = words[lo:lo + FINGERPRINT_CHUNK]
+            first = 2 * (start + lo) + 1
+            weights = xp.arange(first, first + 2 * part.size, 2, dtype=np.uint64)
+            # Array arithmetic wraps modulo 2**64 silently (scalar arithmetic would warn).
+            xp.add(total, xp.multiply(part, weights).sum(dtype=np.uint64), out=total)
+        start += words.size
+    return total
 
 
 def check_lengths(fn, name, layout, lengths):

@@ -24,10 +24,12 @@ HERE = Path(__file__).resolve().parent
 SUITE = ["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_interop.py",
          "api/test_layout_required.py", "api/test_timeout_keyword.py", "api/test_plan_cache.py",
          "ring/test_call_context.py", "ring/test_twoway.py", "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py",
+         "ring/test_auto_rate.py", "gpu/test_capability.py",
          "ring/test_twolevel.py", "masks/test_masks.py", "transport/test_shm.py",
          "backends/test_kernel_backend.py", "backends/test_cpu_kernels.py", "backends/test_cpu_packed.py",
          "backends/test_tile_runs.py",
-         "backends/test_workspace.py", "gpu/test_gpu_runtime.py", "decode/test_decode.py", "decode/test_decode_kernels.py",
+         "backends/test_workspace.py", "gpu/test_gpu_runtime.py", "gpu/test_host_transfers.py",
+         "decode/test_decode.py", "decode/test_decode_kernels.py",
          "bench/test_bench.py", "bench/test_bench_masks.py"]
 # 2, 3 (odd) and 4 run the whole suite; 8 (4 ranks a core on this CI) runs what depends on
 # the rank count through the ring, without the CUDA kernels on the emulator.
@@ -42,6 +44,7 @@ RANKS = [2, 3, 4, 8]
 AT_8 = (["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_layout_required.py",
          "api/test_plan_cache.py", "ring/test_call_context.py", "ring/test_twoway.py",
          "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py", "ring/test_twolevel.py",
+         "ring/test_auto_rate.py",
          "masks/test_masks.py", "transport/test_shm.py", "decode/test_decode.py", "backends/test_cpu_packed.py"],
         "not emulated and not bitmap")
 SELECT = {8: AT_8}

@@ -8,6 +8,7 @@ than 48 KiB of dynamic shared memory, and launching on the caller's current stre
 
 import numpy as np
 
+from .. import _transfers
 from .._gpu import kernels
 from .kernel_backend import KernelBackend
 
@@ -32,7 +33,7 @@ class CupyBackend(KernelBackend):
 
     def to_device(self, a):
         with self.device:
-            return self.xp.asarray(a)
+            return _transfers.to_device(self.xp, a)  # counted
 
     def _function(self, spec):
         fn = self._functions.get(spec.kernel)

@@ -113,24 +113,41 @@ class KernelBackend:
 
     _INTS_KEPT = 256
 
-    def _device_ints(self, a):
-        """The device address of an int32 copy of a host array of token positions (a
-        block's positions, or the first/last bounds of its rows' intervals), kept for reuse:
-        a plan asks for the same few arrays (a handful per rank) on every step of every
-        call. Keyed by content; the least recently used copy goes first."""
-        a = np.asarray(a)
-        key = (len(a), a.tobytes())
+    def _kept(self, key, make):
+        """The device array ``make()`` copies from the host, kept under ``key`` (its
+        content) for reuse: a plan asks for the same few arrays (a handful per rank) on
+        every step of every call, so only its first call copies them to the device. The
+        least recently used copy goes first."""
         dev = self._ints.pop(key, None)
         if dev is None:
+            if len(self._ints) >= self._INTS_KEPT:
+                del self._ints[next(iter(self._ints))]
+            dev = make()
+        self._ints[key] = dev  # (re)inserted last: the most recently used
+        return dev
+
+    def _device_ints(self, a):
+        """The device address of an int32 copy of a host array of token positions (a
+        block's positions, or the first/last bounds of its rows' intervals), kept for reuse
+        (``_kept``)."""
+        a = np.asarray(a)
+
+        def make():
             lo, hi = (int(a.min()), int(a.max())) if len(a) else (0, 0)
             if hi >= 2 ** 31 or lo < -2 ** 31:
                 raise ValueError(f"backend 'cuda': positions: expected int32 values (< 2**31), "
                                  f"got {lo} .. {hi}")
-            if len(self._ints) >= self._INTS_KEPT:
-                del self._ints[next(iter(self._ints))]
-            dev = self.to_device(a.astype(np.int32))
-        self._ints[key] = dev  # (re)inserted last: the most recently used
-        return self.ptr(dev)
+            return self.to_device(a.astype(np.int32))
+
+        return self.ptr(self._kept(("int32", a.dtype.str, len(a), a.tobytes()), make))
+
+    def device_rows(self, rows):
+        """A device copy of ``rows`` (a host array of local row indices: the rows of a
+        packet, in packet order), kept for reuse (``_kept``): the ring gathers and scatters
+        its packets' rows with it on every call."""
+        rows = np.asarray(rows)
+        return self._kept(("rows", rows.dtype.str, len(rows), rows.tobytes()),
+                          lambda: self.to_device(np.ascontiguousarray(rows)))
 
     @staticmethod
     def _rows(fn, qb, kb, cq, ck):

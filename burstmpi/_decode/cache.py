@@ -10,15 +10,16 @@ identity. A ring would need P dependent hops per token and move the whole cache;
 moves B x T x heads x (dv + 1) numbers per rank, whatever the cached length.
 
 One collective per decode call. Its message is a small header (a status, a checksum of
-the call's arguments including a fingerprint of q, k, v and T, and the call's shape)
-followed by the rank's partial; one allgather gives every rank every partial, and every
-rank merges them in rank order (``backend.combine``), so the result is bitwise the same on
-every rank. The message size must be the same on every rank before the collective starts,
-so it is the size of the last agreed shape (T new tokens, query heads): a call of another
-T announces it in its header and, when every rank announces the same, a second allgather
-of the new size follows (only on the call that changes T). Any error, a checksum that
-differs, or shapes that do not match make every rank raise the same error (through
-``validate.report``) and leave the cache as it was.
+the call's arguments and T, with the argument check on also a fingerprint of q, k, v
+computed on the device, and the call's shape) followed by the rank's partial; one
+allgather gives every rank every partial, and every rank merges them in rank order
+(``backend.combine``), so the result is bitwise the same on every rank. The message size
+must be the same on every rank before the collective starts, so it is the size of the
+last agreed shape (T new tokens, query heads): a call of another T announces it in its
+header and, when every rank announces the same, a second allgather of the new size
+follows (only on the call that changes T). Any error, a checksum that differs, or shapes
+that do not match make every rank raise the same error (through ``validate.report``) and
+leave the cache as it was.
 
 With ``window=(left, 0)`` a query sees only the last left + 1 positions: each rank keeps
 its slots as a ring buffer and reuses the slot of its oldest token once no future query
@@ -47,8 +48,9 @@ from ..masks import Sinks, Window
 from ..masks._layout import LAYOUTS
 from .._plan import BurstAttention
 from .._runtime import Runtime
-from .._validate import (SUPPORTED_DTYPES, check_forward, check_layout_given, check_options, fingerprint,
-                        global_layout, report)
+from .._transfers import to_device
+from .._validate import (SUPPORTED_DTYPES, check_forward, check_layout_given, check_options, device_fingerprint,
+                        fingerprint, global_layout, report)
 from .exchange import FAILED, OK, RESHAPE, Exchange
 from .slots import SlotStore, host
 
@@ -138,7 +140,8 @@ class KVCache(SlotStore, Exchange):
         ``docs/guide/configuration.md``.
     transport : {"auto", "nccl", "mpi", "shm"}
         How the decode's messages travel, as ``BurstAttention`` takes it.
-    tile_q, tile_k, cpu_kernels, cpu_gemm, threads, check, cuda_aware_mpi, ranks_per_node, link_gbps : optional
+    tile_q, tile_k, cpu_kernels, cpu_gemm, threads, check, cuda_aware_mpi, ranks_per_node, link_gbps,
+    kernel_tflops : optional
         Settings, as ``BurstAttention`` takes them (``docs/guide/configuration.md``): None
         takes the ``BURSTMPI_*`` variable of the same name, else the default.
 
@@ -160,7 +163,8 @@ class KVCache(SlotStore, Exchange):
     def __init__(self, comm=None, *, capacity, batch, kv_heads, head_dim, v_head_dim=None,
                  dtype=np.float32, softmax_scale=None, window=None, sinks=0, backend="auto", device=None,
                  timeout=None, transport="auto", tile_q=None, tile_k=None, cpu_kernels=None, cpu_gemm=None,
-                 threads=None, check=None, cuda_aware_mpi=None, ranks_per_node=None, link_gbps=None):
+                 threads=None, check=None, cuda_aware_mpi=None, ranks_per_node=None, link_gbps=None,
+                 kernel_tflops=None):
         fn = "KVCache"
         self.capacity = _count(fn, "capacity", capacity)
         if self.capacity >= 2 ** 31:
@@ -185,7 +189,7 @@ class KVCache(SlotStore, Exchange):
         self.runtime = Runtime(fn, comm, backend=backend, transport=transport, device=device, timeout=timeout,
                                tile_q=tile_q, tile_k=tile_k, cpu_kernels=cpu_kernels, cpu_gemm=cpu_gemm,
                                threads=threads, check=check, cuda_aware_mpi=cuda_aware_mpi,
-                               ranks_per_node=ranks_per_node, link_gbps=link_gbps)
+                               ranks_per_node=ranks_per_node, link_gbps=link_gbps, kernel_tflops=kernel_tflops)
         P = self.runtime.nranks
         # The window's ring buffer: its share of what is not a sink.
         self.slots = -(-(self.capacity - self.sinks) // P) + (1 if P > 1 else 0)
@@ -261,12 +265,12 @@ class KVCache(SlotStore, Exchange):
         self._k = xp.zeros((B, Zkv, S, self.head_dim), self.dtype)
         self._v = xp.zeros((B, Zkv, S, self.v_head_dim), self.dtype)
         self._kpos_host = np.full(S, -1, np.int32)
-        self._kpos = self._kpos_host if xp is np else xp.asarray(self._kpos_host)
+        self._kpos = self._kpos_host if xp is np else to_device(xp, self._kpos_host)
         if self.sinks:
             ns = self._sink_slots
             self._sk = xp.zeros((B, Zkv, ns, self.head_dim), self.dtype)
             self._sv = xp.zeros((B, Zkv, ns, self.v_head_dim), self.dtype)
-            self._skpos = xp.asarray(np.full(ns, -1, np.int32))
+            self._skpos = to_device(xp, np.full(ns, -1, np.int32))
 
     def _kind(self, arrays):
         be = self.runtime.backend
@@ -450,22 +454,25 @@ class KVCache(SlotStore, Exchange):
         rt = self.runtime
         t_start = time.perf_counter()
         self._compute_s, self._calls = 0.0, 0
-        error, h, T, Z, written, sig = None, None, 0, 0, None, []
+        error, h, T, Z, written, sig, fp = None, None, 0, 0, None, [], None
         arrays = {"q": q, "k": k, "v": v}
         self._begin(fn, arrays)
         try:
             h = self._local(fn, arrays)
             T, Z = self._check(fn, h, decoding=True)
-            sig = [("T", T), ("heads", Z), ("seqlen", self.seqlen),
-                   ("q", fingerprint(host(h["q"]))), ("k", fingerprint(host(h["k"]))),
-                   ("v", fingerprint(host(h["v"])))]
+            sig = [("T", T), ("heads", Z), ("seqlen", self.seqlen)]
+            # q, k, v must be the same on every rank. With the argument check on, their
+            # fingerprint is computed where they live and folded into the header on the
+            # device (``Exchange``): no copy to the host, no wait. BURSTMPI_CHECK=0: none.
+            if rt.check:
+                fp = device_fingerprint(rt.backend.xp, [h["q"], h["k"], h["v"]])
             tokens, slots, old, n, head, sink_tokens = self._slots_for(fn, T)
             with abort_on_device_error(rt.comm):
                 self._write(h["k"], h["v"], tokens, slots)
                 ns = self._ns
                 if sink_tokens:
                     t = np.asarray(sink_tokens)
-                    idx = t if rt.backend.xp is np else rt.backend.xp.asarray(t)
+                    idx = to_device(rt.backend.xp, t)
                     self._store_sinks(h["k"][:, idx], h["v"][:, idx], self.seqlen + t)
             written = (slots, old, n, head, (self.seqlen + np.asarray(sink_tokens, np.int64)) // rt.nranks, ns)
         except (TypeError, ValueError, NotImplementedError, RuntimeError, MemoryError) as e:
@@ -474,12 +481,14 @@ class KVCache(SlotStore, Exchange):
         with abort_on_device_error(rt.comm):
             status = FAILED if error is not None else (OK if (T, Z) == self._shape else RESHAPE)
             n = written[2] if written else 0
-            parts = self._exchange(h, status, sig, T, Z, self._shape, n)
+            parts = self._exchange(h, status, sig, T, Z, self._shape, n, fp)
             if parts is None:  # every rank announced the same new shape: once more, at that size
                 self._shape = (T, Z)
-                parts = self._exchange(h, OK, sig, T, Z, self._shape, n)
+                parts = self._exchange(h, OK, sig, T, Z, self._shape, n, fp)
             if isinstance(parts, str):
                 self._undo(written)
+                if fp is not None:  # the slow path: host fingerprints, so the error names q, k or v
+                    sig += [(name, fingerprint(host(h[name]))) for name in ("q", "k", "v")]
                 report(rt.comm, fn, error, sig)
             out, lse = self._merge(parts, T, Z)
         self._n, self._head = written[2], written[3]

@@ -3,7 +3,11 @@
 ``Exchange`` is the part of ``KVCache`` that talks to the other ranks during a decode call.
 Each rank's message is a header (status, a checksum of the call's arguments, T, heads)
 followed by its partial (out, lse) over its own shard; one allgather gives every rank
-every message. A call whose shape differs from the agreed one announces it with status
+every message. The header's words are written with one small copy to the device, and the
+fingerprint of q, k, v (computed on the device, argument check on) is folded into its
+checksum word there; reading the gathered headers copies only their bytes to the host, so
+a call's trips through the host do not grow with the heads, the batch or the ranks'
+partials. A call whose shape differs from the agreed one announces it with status
 ``RESHAPE`` and, when every rank announces the same, the exchange runs again at the new
 size; any error or disagreement makes every rank see "error" and raise the same error.
 """
@@ -14,8 +18,8 @@ import numpy as np
 
 from .._ring.flat import nbytes
 from .._transport.comm import packed_fields
+from .._transfers import to_device, to_host
 from .._validate import checksum
-from .slots import host
 
 __all__ = ["Exchange", "OK", "FAILED", "RESHAPE"]
 
@@ -55,11 +59,13 @@ class Exchange:
         self._message = (key, msg)
         return msg
 
-    def _exchange(self, h, status, sig, T, Z, shape, n):
+    def _exchange(self, h, status, sig, T, Z, shape, n, fp=None):
         """The decode's one collective: fill this rank's message (header and, when the
-        shape is the agreed one, its partial), allgather, read every header. Returns the
-        gathered messages' views, None when every rank asks for the same new shape, or
-        "error" (an error, different arguments, or different shapes somewhere)."""
+        shape is the agreed one, its partial), allgather, read every header. ``fp``: the
+        call's ``validate.device_fingerprint`` of q, k, v (None: argument check off), folded
+        into the header's checksum word on the device. Returns the gathered messages' views,
+        None when every rank asks for the same new shape, or "error" (an error, different
+        arguments, or different shapes somewhere)."""
         be, rt = self.runtime.backend, self.runtime
         (send_raw, send), recv_raw, parts = self._buffers(*shape)
         if status == OK:
@@ -81,17 +87,20 @@ class Exchange:
                           outs(part_out[1]), lses(part_lse[1]))
                 be.combine(part_out, part_lse, send["out"], send["lse"])
             self._compute_s += time.perf_counter() - t0
-        hdr = np.array([status, checksum(sig), T, Z], np.int64)
-        if be.xp is np:
-            send["hdr"][...] = hdr
-        else:
-            send["hdr"][...] = be.xp.asarray(hdr)
+        hdr = send["hdr"]
+        hdr[...] = to_device(be.xp, np.array([status, checksum(sig), T, Z], np.int64))  # one small copy
+        if fp is not None:  # device to device: the fingerprint never visits the host
+            word = hdr[1:2].view(np.uint64)
+            be.xp.bitwise_xor(word, fp, out=word)
         rt.transport.allgather(send_raw, recv_raw)
         rt.finish()  # NCCL: wait with a timeout and the async error check, never hang
         self._calls += 1
         # The header leads every message (comm.packed_fields puts the widest fields first, and
-        # it is listed first): one copy of the gathered bytes to the host reads them all.
-        got = host(recv_raw).reshape(rt.nranks, -1)[:, :32].copy().view(np.int64)
+        # it is listed first): one copy of the P headers alone (a strided view of the gathered
+        # bytes) reads them all, P x 32 bytes whatever the partials' size.
+        size, P = send_raw.nbytes, rt.nranks
+        headers = recv_raw[:P * size].reshape(P, size)[:, :hdr.nbytes]
+        got = np.array(to_host(headers)).view(np.int64)  # a copy: the buffer is the next call's
         if (got[:, 0] == OK).all() and (got[:, 1] == got[0, 1]).all() and status == OK:
             return parts
         if (got[:, 0] == RESHAPE).all() and (got[:, 1:] == got[0, 1:]).all():

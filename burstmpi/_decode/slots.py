@@ -13,14 +13,17 @@ before it writes anything, and ``_undo`` puts the slots back if the call fails a
 import numpy as np
 from mpi4py import MPI
 
+from .._transfers import to_device, to_host
 from .._transport.watchdog import collective
 
 __all__ = ["SlotStore", "host"]
 
 
 def host(a):
-    """A host copy of a (small) array wherever it lives."""
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+    """``a`` in host memory wherever it lives (a device array: one counted copy,
+    ``burstmpi._transfers``; a host one: itself). Off the decode's per-call path, except
+    where a call fails (the error names the argument that differs)."""
+    return to_host(a)
 
 
 class SlotStore:
@@ -35,7 +38,7 @@ class SlotStore:
         self._v[:, :, self._n:self._n + n] = v.transpose(0, 2, 1, 3)
         self._kpos_host[self._n:self._n + n] = positions
         if self._kpos is not self._kpos_host:
-            self._kpos[self._n:self._n + n] = xp.asarray(self._kpos_host[self._n:self._n + n])
+            self._kpos[self._n:self._n + n] = to_device(xp, self._kpos_host[self._n:self._n + n])
         self._n += n
 
     def _drop_older_than(self, oldest):
@@ -49,12 +52,12 @@ class SlotStore:
         if m == n and self._head == 0 and (keep == np.arange(n)).all():
             return
         xp = self.runtime.backend.xp
-        idx = keep if xp is np else xp.asarray(keep)
+        idx = to_device(xp, keep)
         self._k[:, :, :m] = self._k[:, :, idx]  # the gather copies before it writes
         self._v[:, :, :m] = self._v[:, :, idx]
         self._kpos_host[:m], self._kpos_host[m:n] = pos[keep], -1
         if self._kpos is not self._kpos_host:
-            self._kpos[:n] = xp.asarray(self._kpos_host[:n])
+            self._kpos[:n] = to_device(xp, self._kpos_host[:n])
         self._n, self._head = m, 0
 
     def _store_window_tail(self, fn, k, v, lay):
@@ -78,7 +81,7 @@ class SlotStore:
         src_pos = [S + p[(S + p) % P == me] for p in src_pos]
         recv_counts = np.array([len(p) for p in src_pos])
         xp = rt.backend.xp
-        idx = rows if xp is np else xp.asarray(rows)
+        idx = to_device(xp, rows)
         kk = host(k[:, idx]).transpose(1, 0, 2, 3).reshape(len(rows), B * Zkv * d)
         vv = host(v[:, idx]).transpose(1, 0, 2, 3).reshape(len(rows), B * Zkv * dv)
         send = np.ascontiguousarray(np.concatenate([kk, vv], axis=1)).view(np.uint8)
@@ -98,8 +101,7 @@ class SlotStore:
             if not sel.any():
                 continue
             kn, vn = split(got[sel, :B * Zkv * d], d), split(got[sel, B * Zkv * d:], dv)
-            if xp is not np:
-                kn, vn = xp.asarray(kn), xp.asarray(vn)
+            kn, vn = to_device(xp, kn), to_device(xp, vn)
             if sink:
                 self._store_sinks(kn, vn, pos[sel])
             else:
@@ -113,10 +115,11 @@ class SlotStore:
         """Sinks (B, n, Zkv, d) at their slots: position p is slot p // P of rank p % P."""
         xp = self.runtime.backend.xp
         idx = np.asarray(positions) // self.runtime.nranks
-        at = idx if xp is np else xp.asarray(idx)
+        both = to_device(xp, np.stack([idx, np.asarray(positions)]).astype(np.int64))  # one copy for the two
+        at = both[0]
         self._sk[:, :, at] = k.transpose(0, 2, 1, 3)
         self._sv[:, :, at] = v.transpose(0, 2, 1, 3)
-        self._skpos[at] = xp.asarray(np.asarray(positions, np.int32))
+        self._skpos[at] = both[1]  # int32 on assignment
         self._ns = max(self._ns, int(idx.max()) + 1)
 
     def _slots_for(self, fn, T):
@@ -151,29 +154,30 @@ class SlotStore:
         return tokens, slots, self._kpos_host[slots].copy(), n, head, sink_tokens
 
     def _write(self, k, v, tokens, slots):
+        """The new tokens this rank owns (indices into k, v) into their slots: the indices,
+        slots and positions go to the device in one small copy (with the header's, a decode
+        call's copies to the device once the sinks are stored)."""
         if not tokens:
             return
         xp = self.runtime.backend.xp
         pos = (self.seqlen + np.asarray(tokens)).astype(np.int32)
-        t = np.asarray(tokens)
-        s = np.asarray(slots)
-        if xp is not np:
-            t, s = xp.asarray(t), xp.asarray(s)
+        idx = to_device(xp, np.array([tokens, slots, pos], np.int64))
+        t, s, p = idx[0], idx[1], idx[2]
         self._k[:, :, s] = k[:, t].transpose(0, 2, 1, 3)
         self._v[:, :, s] = v[:, t].transpose(0, 2, 1, 3)
         self._kpos_host[slots] = pos
         if self._kpos is not self._kpos_host:
-            self._kpos[s] = xp.asarray(pos)
+            self._kpos[s] = p  # int32 on assignment
 
     def _undo(self, written):
         if written is None:
             return
         slots, old, _, _, sink_idx, ns = written
+        xp = self.runtime.backend.xp
         if len(sink_idx):
-            xp = self.runtime.backend.xp
-            self._skpos[sink_idx if xp is np else xp.asarray(sink_idx)] = -1
+            self._skpos[to_device(xp, np.asarray(sink_idx))] = -1
             self._ns = ns
         self._kpos_host[slots] = old
         if self._kpos is not self._kpos_host and slots:
-            xp = self.runtime.backend.xp
-            self._kpos[xp.asarray(np.asarray(slots))] = xp.asarray(old)
+            idx = to_device(xp, np.array([slots, old], np.int64))
+            self._kpos[idx[0]] = idx[1]

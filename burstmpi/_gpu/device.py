@@ -12,7 +12,13 @@ import time
 
 from mpi4py import MPI
 
-__all__ = ["import_cupy", "node_rank", "pick_device", "rank_prefix", "abort_on_device_error"]
+__all__ = ["import_cupy", "node_rank", "pick_device", "check_capability", "device_name", "rank_prefix",
+           "abort_on_device_error"]
+
+# burstmpi's kernels use cp.async, ldmatrix and bfloat16 mma.sync (cuda/*.cu): Ampere's
+# instructions. Below it NVRTC fails deep inside the first kernel's compilation, so a
+# plan refuses such a GPU before it compiles anything.
+MIN_CAPABILITY = (8, 0)
 
 
 def rank_prefix(comm):
@@ -62,6 +68,25 @@ def pick_device(fn, local_rank, count, device=None):
         raise ValueError(f"{fn}: device: expected an int with 0 <= device < {count} "
                          f"(the visible CUDA devices), got {device!r}")
     return device
+
+
+def device_name(cupy, device_id):
+    """The name CUDA gives device ``device_id`` ("NVIDIA H100 80GB HBM3")."""
+    name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def check_capability(fn, cupy, device_id):
+    """Raise RuntimeError naming ``fn``, the device, its compute capability and the
+    minimum when device ``device_id`` is older than ``MIN_CAPABILITY`` (sm_80)."""
+    cc = str(cupy.cuda.Device(device_id).compute_capability)  # "75", "80", "120"
+    major, minor = int(cc[:-1]), int(cc[-1])
+    if (major, minor) < MIN_CAPABILITY:
+        need = "".join(map(str, MIN_CAPABILITY))
+        raise RuntimeError(
+            f"{fn}: backend 'cuda': GPU {device_id} ({device_name(cupy, device_id)}) has compute capability "
+            f"{major}.{minor} (sm_{cc}); burstmpi's kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+            f"(sm_{need}, Ampere) or newer")
 
 
 def _is_device_error(exc):

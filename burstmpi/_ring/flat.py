@@ -159,10 +159,14 @@ def _from_kv(be, x, dtype):
     return out
 
 
-def _select(xp, rows, count):
-    """An index for ``rows`` (distinct) of a block of ``count`` rows: a slice when it is all
-    of them in order."""
-    return slice(0, count) if _in_order(rows, count) else xp.asarray(rows)
+def _select(be, rows, count):
+    """An index for ``rows`` (distinct) of a block of ``count`` rows, for arrays of backend
+    ``be``: a slice when it is all of them in order, else the rows themselves, on a GPU as
+    the backend's device copy (``KernelBackend.device_rows``: kept, so that a call copies
+    no index to the device once the plan's first call has)."""
+    if _in_order(rows, count):
+        return slice(0, count)
+    return rows if be.xp is np else be.device_rows(rows)
 
 
 def _in_order(rows, count):
@@ -179,12 +183,12 @@ def routes(geo, role, sched):
     return mine, ([held(own[t], t + 1) for t in range(P - 1)], [held(own[t + 1], t + 1) for t in range(P - 1)])
 
 
-def load_packet(chan, home, rows, xp):
+def load_packet(chan, home, rows, be):
     """Write this rank's packet of ``rows`` (its local rows, in packet order) into the
-    channel, laid out for just those rows (``comm.Packet``)."""
+    channel, laid out for just those rows (``comm.Packet``); ``be``: the arrays' backend."""
     for name, view in chan.fill(len(rows)).items():
         src = home[name]
-        view[...] = src[:, :, _select(xp, rows, src.shape[2])]
+        view[...] = src[:, :, _select(be, rows, src.shape[2])]
 
 
 def runs(geo, role, owner, direction, t, *packets, arc=None):
@@ -319,7 +323,7 @@ def forward(call, q, k, v, dims):
     home_k = key_operands(k, v)
     mine, rows = routes(geo, "k", sched)
     if sched.send and sched.send[0]:  # our keys leave (not at 1 rank, nor where no one needs them)
-        load_packet(chan, home_k, mine, be.xp)
+        load_packet(chan, home_k, mine, be)
         if _in_order(mine, C):  # all of them, in order: our own step reads that copy too
             home_k = chan.current
     q_rows = grouped_rows(q, Zkv)
@@ -343,7 +347,7 @@ def forward(call, q, k, v, dims):
 
 def backward(call, mode, dout, q, k, v, out, lse, dims):
     """Return (dq, dk, dv, stats) in ``mode`` ("burst" or "ring")."""
-    be, xp = call.backend, call.backend.xp
+    be = call.backend
     C = dims[1]
     acc = be.acc_dtype(q.dtype)
     geo = call.geometry
@@ -360,7 +364,7 @@ def backward(call, mode, dout, q, k, v, out, lse, dims):
     mine, rows = routes(geo, role, sched)
     home = home_q if mode == "burst" else home_k
     if sched.send and sched.send[0]:
-        load_packet(chan, home, mine, xp)
+        load_packet(chan, home, mine, be)
     # A partial holds every row its packet left home with, in packet order: a holder adds
     # to the first rows, those it was handed.
     leaves = lambda o: int(geo.route(role, o, sched.direction)[1][0])
@@ -402,7 +406,7 @@ def backward(call, mode, dout, q, k, v, out, lse, dims):
                 partial[name] += view
             part.done()
     if sched.partial_home:  # posted with group home_at, added last (it has its own buffer)
-        _add_home(timer, part, grads, _select(xp, mine, C))
+        _add_home(timer, part, grads, _select(be, mine, C))
     timer.run("wait", part.drain)
 
     del partial

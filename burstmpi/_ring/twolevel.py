@@ -130,8 +130,11 @@ class Rings:
         return block_owner(self.members, self.node, self.local, sign * o, sign * s)
 
     def channel(self, transport, fields, size, me, tag, alloc, sign):
+        # A packet passed on with fewer rows than it came with is packed into a staging
+        # packet first: in the backend's memory too (``alloc``), or GPU rows would be
+        # copied into a host buffer and handed to NCCL.
         return Channel(transport, fields, send_to=(me + sign) % size, recv_from=(me - sign) % size, tag=tag,
-                       alloc=alloc, single=size == 1)
+                       alloc=alloc, single=size == 1, stage=alloc)
 
 
 def block_owner(members, node, local, o, s):
@@ -253,10 +256,10 @@ def channels(r, fields, be, route, tags=(TAG_INNER, TAG_OUTER)):
     return _Ring(inner, outer, route)
 
 
-def load(ring, home, me, xp):
+def load(ring, home, me, be):
     """Our rows that leave home, in packet order, into the outer ring's packet (where cycle
-    0 seeds the inner ring from)."""
-    load_packet(ring.outer, home, ring.route.mine(me), xp)
+    0 seeds the inner ring from); ``be``: the arrays' backend."""
+    load_packet(ring.outer, home, ring.route.mine(me), be)
 
 
 def key(fields):
@@ -284,7 +287,7 @@ def forward(call, q, k, v, dims):
     ring = channels(r, packet, be, Route(r, geo, "k", 1))
     timer, t_start = Timer(), time.perf_counter()
     home = key_operands(k, v)
-    load(ring, home, me, be.xp)
+    load(ring, home, me, be)
     q_rows = grouped_rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.block("q", me)

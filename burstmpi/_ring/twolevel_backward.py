@@ -70,7 +70,6 @@ def backward(call, mode, dout, q, k, v, out, lse, dims):
     if mode == "two-way":
         return _backward_two_way(call, dout, q, k, v, out, lse, dims)
     be, geo = call.backend, call.geometry
-    xp = be.xp
     C = dims[1]
     acc = be.acc_dtype(q.dtype)
     r = call.rings
@@ -94,7 +93,7 @@ def backward(call, mode, dout, q, k, v, out, lse, dims):
         home_k = be.resident_keys(home_k["k"], home_k["v"], acc)
     me = call.rank
     travelling = home_q if burst else home_k
-    load(ring, travelling, me, xp)
+    load(ring, travelling, me, be)
     mine = route.mine(me)
     qb_me, kb_me = geo.block("q", me), geo.block("k", me)
     # The pairs the holder computes of owner w's block: w's queries against our keys
@@ -140,7 +139,7 @@ def backward(call, mode, dout, q, k, v, out, lse, dims):
             if has_home[o]:
                 n = route.rows(me, o * r.g)
                 home.post_recv(o % 2, last_holder(o), n)
-                pend.append((o % 2, _select(xp, mine[:n], C)))
+                pend.append((o % 2, _select(be, mine[:n], C)))
 
     for o, s, t, [(w, views)] in steps(r, [ring], timer, then):
         own = t == 0  # our own block, whole: straight into our accumulators
@@ -206,8 +205,8 @@ def _backward_two_way(call, dout, q, k, v, out, lse, dims):
                        Route(r, geo, "q", -1), (TAG_Q_INNER, TAG_Q_OUTER))
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    load(kv_ring, home_k, me, be.xp)
-    load(q_ring, home_q, me, be.xp)
+    load(kv_ring, home_k, me, be)
+    load(q_ring, home_q, me, be)
     qb_me, kb_me = geo.block("q", me), geo.block("k", me)
     both = (kv_ring, q_ring)
     poll = lambda: any([c.progress() for ring in both for c in (ring.inner, ring.outer)])

@@ -103,11 +103,12 @@ def _held(geo, role):
     return lambda o, sign, arc: geo.route(role, o, sign, arc)[1]
 
 
-def _load(chans, dirs, geo, role, home, rank, xp):
-    """Write this rank's packet of each direction: the rows its arc's readers see."""
+def _load(chans, dirs, geo, role, home, rank, be):
+    """Write this rank's packet of each direction: the rows its arc's readers see (``be``:
+    the arrays' backend)."""
     for chan, d in zip(chans, dirs):
         order, _ = geo.route(role, rank, d.sign, d.reach[rank])
-        load_packet(chan, home, geo.travelling_rows(role, rank)[order], xp)
+        load_packet(chan, home, geo.travelling_rows(role, rank)[order], be)
 
 
 def _runs(geo, role, chan, d, t):
@@ -144,7 +145,7 @@ def forward(call, q, k, v, dims):
     up, down = call.channels("forward-two-way", [(Channel, packet, TAG_UP, +1), (Channel, packet, TAG_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
     home_k = key_operands(k, v)
-    _load((up, down), (sched.up, sched.down), geo, "k", home_k, call.rank, be.xp)
+    _load((up, down), (sched.up, sched.down), geo, "k", home_k, call.rank, be)
     q_rows = grouped_rows(q, Zkv)
     state = be.fwd_state(B, Zkv, C, Z // Zkv, dv, acc)
     qb = geo.block("q", call.rank)
@@ -189,8 +190,8 @@ def backward(call, dout, q, k, v, out, lse, dims):
         (Channel, q_fields, TAG_Q_UP, +1), (Channel, q_fields, TAG_Q_DOWN, -1)])
     timer, t_start = Timer(), time.perf_counter()
     home_q, home_k, grads = backward_operands(be, dout, q, k, v, out, lse, dims, acc)
-    _load((kvu, kvd), (kv_s.up, kv_s.down), geo, "k", home_k, call.rank, be.xp)
-    _load((qu, qd), (q_s.up, q_s.down), geo, "q", home_q, call.rank, be.xp)
+    _load((kvu, kvd), (kv_s.up, kv_s.down), geo, "k", home_k, call.rank, be)
+    _load((qu, qd), (q_s.up, q_s.down), geo, "q", home_q, call.rank, be)
     qb_home, kb_home = geo.block("q", call.rank), geo.block("k", call.rank)
     owners, pairs = [], 0
     chans = (kvu, kvd, qu, qd)

@@ -26,6 +26,7 @@ Two ways to move the shares, one exchange per array and direction:
 import numpy as np
 from mpi4py import MPI
 
+from .._transfers import to_device
 from .mpi import MPITransport
 
 __all__ = ["HeadExchange"]
@@ -50,7 +51,7 @@ class HeadExchange:
         self.counts = [len(p) for p in positions]
         self.rows = len(merged)
         # Where member m's rows sit among the group's (as indices of the arrays' module).
-        self.places = [xp.asarray(np.searchsorted(merged, p)) for p in positions]
+        self.places = [to_device(xp, np.searchsorted(merged, p)) for p in positions]
         self.bytes_sent = 0
 
     def _exchange(self, parts, recv_shapes, dtype):

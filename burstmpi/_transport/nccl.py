@@ -21,6 +21,7 @@ import time
 from mpi4py import MPI
 
 from .._gpu.device import rank_prefix
+from .._transfers import synchronize
 from .watchdog import DEFAULT_TIMEOUT, bcast, collective, expire
 
 __all__ = ["unique_id", "communicator", "NCCLTransport", "available", "choose_transport"]
@@ -102,6 +103,16 @@ class _Request:
 
     def __init__(self):
         self.event = None
+
+
+class _Polled:
+    """A wait that polls (``wait()``: it returns when done) as ``transfers.synchronize``
+    takes it: an object with ``synchronize()``."""
+
+    __slots__ = ("synchronize",)
+
+    def __init__(self, wait):
+        self.synchronize = wait
 
 
 class NCCLTransport:
@@ -209,9 +220,13 @@ class NCCLTransport:
     def finish(self):
         """Wait for the phase's last transfers on the host, with the deadline and NCCL's
         asynchronous error check: a dead peer ends the job with the watchdog's line
-        (``watchdog.expire``), not a hang."""
+        (``watchdog.expire``), not a hang. The one host wait of a phase, counted as a
+        synchronisation (``burstmpi._transfers``)."""
         if self._last is None:
             return
+        synchronize(_Polled(self._wait_last))
+
+    def _wait_last(self):
         start = time.monotonic()
         while not self._last.done:
             self.nccl_comm.check_async_error()

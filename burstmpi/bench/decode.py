@@ -7,7 +7,9 @@ call. For each row the cache is filled with random keys and values (``KVCache.lo
 the prefill is not what is measured), then ``-w`` untimed and ``-n`` timed decode calls run,
 each after a barrier; one more call is checked against float64. ``LEGEND`` defines every
 column (``burstmpi-bench --legend --decode`` prints it): besides the decode itself, the same
-decode the way ring-attention peers do it and by one rank holding the whole cache.
+decode the way ring-attention peers do it and by one rank holding the whole cache. The
+last columns count what one decode call copied between host and device and waited for
+(``burstmpi._transfers``): the most any rank did in one timed call, 0 with host arrays.
 
 Memory (``burstmpi.bench.memory``): before each row the bench estimates what one rank
 holds while the row runs (its cache share, a piece of the random fill, the check's chunk),
@@ -22,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._decode.cache import KVCache
+from .._transfers import Transfers, counting
 from ..masks._layout import layout_of
 from .._transport import watchdog
 from .._transport.comm import Channel
@@ -44,7 +47,11 @@ COLUMNS = [
     ("vs_ring", "vs", "ring", 6, ".2f"), ("one_rank_ms", "1rk", "(ms)", 9, ".3f"),
     ("vs_one_rank", "vs", "1rk", 6, ".2f"), ("cache_mb", "cache", "MB/rk", 8, ".1f"),
     ("est_mb", "est", "MB/rk", 7, ".0f"), ("peak_mb", "peak", "MB/rk", 7, ".0f"), ("wrong", "#wrong", "", 6, "d"),
+    # Last, so that the columns before keep their places: a call's trips through the host.
+    ("d2h", "d2h", "n/call", 6, "d"), ("d2h_bytes", "d2h", "B/call", 7, "d"), ("h2d", "h2d", "n/call", 6, "d"),
+    ("h2d_bytes", "h2d", "B/call", 7, "d"), ("syncs", "syncs", "n/call", 6, "d"),
 ]
+TRANSFERS = ("d2h", "d2h_bytes", "h2d", "h2d_bytes", "syncs")  # burstmpi._transfers.Transfers' fields
 # One line per column for --legend (header and unit are the table's).
 LEGEND = {
     "seqlen": "tokens in the cache before the call (global)",
@@ -69,6 +76,14 @@ LEGEND = {
     "peak_mb": "the resident set's peak during the row (GPUs: CuPy's pool), max over ranks; shared-memory "
                "pages count in every rank that reads them",
     "wrong": "values of the checked call's out and lse outside the dtype's tolerance against float64",
+    "d2h": "copies from the device to the host in one decode call (burstmpi._transfers; the most any rank made "
+           "in one timed call): the gathered headers; 0 with host arrays (nothing crosses a bus)",
+    "d2h_bytes": "bytes of those copies: ranks x the 32-byte header, whatever the heads or the cache",
+    "h2d": "copies from the host to the device in one decode call: the header's words, and on the rank that "
+           "stores a new token its indices (the caller's q, k, v are on the device already here)",
+    "h2d_bytes": "bytes of those copies",
+    "syncs": "explicit waits for the device in one decode call (burstmpi._transfers.synchronize; a copy to the "
+             "host also waits for the work queued before it)",
 }
 CONFIG_KEYS = ("mode", "seqlen", "tokens", "batch", "heads", "kv_heads", "head_dim", "dtype", "window", "sinks",
                "ranks")
@@ -270,13 +285,14 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, wi
                                      gpu=dev.backend == "cuda", shm=reads_in_place(comm, dev, budget)), label)
     say(comm, *plan.lines)
     cache = _filled_cache(comm, cfg, seed, dev, window, calls * cfg["tokens"], timeout=timeout)
-    times, compute = [], []
+    times, compute, moves = [], [], []
     for i in range(warmup + iters):
         args = [dev.put(x) for x in _new_tokens(cfg, seed, i)]
-        t, _ = timed(comm, lambda: cache.decode(*args), dev)
+        t, moved = timed(comm, lambda: _counted(lambda: cache.decode(*args)), dev)
         if i >= warmup:
             times.append(t)
             compute.append(cache.last_stats.compute_s)
+            moves.append(moved)
     st = cache.last_stats
     q, k, v = (dev.put(x) for x in _new_tokens(cfg, seed, 999_999))
     out, lse = cache.decode(q, k, v, return_lse=True)
@@ -317,12 +333,29 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, seed, dev, budget, wi
                cache_mb=cache_mb,
                est_mb=comm.allreduce(plan.estimate if dev.cupy is None else plan.device_estimate, op=MPI.MAX) / 1e6,
                peak_mb=comm.allreduce(max(peaks.values()) / 1e6 if dev.cupy is None else dev.peak_mb(), op=MPI.MAX),
-               wrong=wrong)
+               wrong=wrong,
+               **{f: comm.allreduce(max(getattr(m, f) for m in moves), op=MPI.MAX) for f in TRANSFERS})
     if dev.cupy is None:  # each part's estimate and measured peak (host; max over ranks), in the JSON rows
         row["stage_mb"] = {what: dict(est=comm.allreduce(plan.stages[what], op=MPI.MAX) / 1e6,
                                       peak=comm.allreduce(peaks.get(what, 0), op=MPI.MAX) / 1e6)
                            for what in plan.stages}
     return row
+
+
+def _counted(call):
+    """``call()``'s copies between host and device and its waits for the device
+    (``burstmpi._transfers``), its result dropped."""
+    with counting() as moved:
+        call()
+    return moved
+
+
+def _transfers_line(rows):
+    """The footer's line: what one decode call copied between host and device, per row kind."""
+    seen = sorted({tuple(r[f] for f in TRANSFERS) for r in rows})
+    if seen == [(0,) * len(TRANSFERS)]:
+        return "# Host transfers per decode call : host arrays: no transfers"
+    return "# Host transfers per decode call (most on a rank) : " + "; ".join(str(Transfers(*m)) for m in seen)
 
 
 def main(comm, ctx, o):
@@ -369,7 +402,8 @@ def main(comm, ctx, o):
         return [f"# Avg decode ms per call : {float(np.mean([r['decode_ms'] for r in rows])):.4f}",
                 f"# Avg speedup over the ring way : {float(np.mean(vs_ring)):.2f}" if vs_ring else
                 "# Avg speedup over the ring way : - (skipped: not enough memory)",
-                f"# Bytes per call per rank (KB) : {sorted({round(r['kb_per_call'], 3) for r in rows})}"]
+                f"# Bytes per call per rank (KB) : {sorted({round(r['kb_per_call'], 3) for r in rows})}",
+                _transfers_line(rows)]
 
     show = (len(configs) > 1) if o["progress"] is None else o["progress"]
     sweep(comm, mode="decode", params=params, dev=dev, columns=COLUMNS, configs=configs, run_one=run_one,

@@ -11,15 +11,21 @@
 3. decode  ``KVCache(backend="cuda")``: prefill, then decode steps (the split-KV kernel and
            the combine of cuda/attn_decode.cu) against float64 and the CPU backend, three
            dtypes, T = 1 and 4, GQA and MQA, a window; under ``ranks`` also at 2-4 ranks.
-4. interop torch CUDA tensors in, torch CUDA tensors out, zero-copy (if torch has CUDA).
-5. ranks   ``mpiexec -n 2, 3, 4`` on this one GPU through the MPI transport (NCCL refuses
+4. transfers  the copies between host and device, and the waits for the device, of one
+           forward, one backward and one decode call (``burstmpi._transfers``), at two
+           sequence lengths: printed per call, and none may grow with the length (a call
+           moves headers and scalars through the host, never its tokens).
+5. interop torch CUDA tensors in, torch CUDA tensors out, zero-copy (if torch has CUDA).
+6. ranks   ``mpiexec -n 2, 3, 4`` on this one GPU through the MPI transport (NCCL refuses
            two ranks on one GPU), every rank checked against float64: the ring, and decode
            over a cache sharded across the ranks (bitwise the same result on every rank);
            at 4 ranks, as 2 fake nodes of 2, also the two-level ring (every backward
            mode) and head parallelism (u = 2).
-6. bench   forward and backward TFLOP/s at 16384 tokens, head dim 128, bfloat16, next to
+7. bench   forward and backward TFLOP/s at 16384 tokens, head dim 128, bfloat16, next to
            PyTorch's ``scaled_dot_product_attention`` on the same GPU; one decode call over a
            cache of 256K tokens (bfloat16, 32/8 heads, head dim 128) and the rate it reads K/V.
+           The forward and backward rates without a mask are stored in the rate file
+           (``burstmpi._config.store_rate``), where ``topology="auto"`` finds them.
 
 Prints one line per check, ``# ... OK`` or ``# ... FAILED`` at the end, exit status 1 on
 any failure. On a machine with two or more GPUs, ``mpiexec -n 2 burstmpi-gpucheck
@@ -37,12 +43,15 @@ import click
 import numpy as np
 from mpi4py import MPI
 
+from .. import __version__
 from .. import reference as ref
+from .._config import store_rate
 from .._decode.cache import KVCache
 from .._gpu import kernels
-from .._gpu.device import import_cupy
+from .._gpu.device import device_name, import_cupy
 from .._interop import bfloat16
 from .._plan import BurstAttention
+from .._transfers import Transfers, counting
 
 __all__ = ["main"]
 
@@ -161,6 +170,69 @@ def check_decode(cupy, rep, quick):
             diff = float(np.abs(ours[:, N0:] - host[:, N0:]).max())
             rep.line(ok and ok_p, f"decode  {dtype:8s} T={T} kvh {Zkv} window={window}: {steps} steps err vs "
                                   f"float64 {err:.1e} (prefill {err_p:.1e}), vs NumPy {diff:.1e}  [{secs:.2f} s]")
+
+
+# -- 4. transfers ---------------------------------------------------------------------------------
+
+def _counted(cupy, call):
+    """What one call of ``call`` in the steady state copies and waits for: a first call
+    compiles and allocates, the second is counted."""
+    call()
+    cupy.cuda.get_current_stream().synchronize()  # the warm-up's work is not the counted call's
+    with counting() as t:
+        call()
+    cupy.cuda.get_current_stream().synchronize()
+    return t
+
+
+def transfer_growth(what, by_length):
+    """The bound on a call's host transfers, checked: ``by_length`` maps two or more
+    sequence lengths to the call's ``Transfers``; a count or a byte total that is larger at
+    a longer length moves tokens through the host (or waits per tile), which no call may.
+    Returns one line per breach, naming ``what``, the counter and its values."""
+    lengths = sorted(by_length)
+    bad = []
+    for name in Transfers().as_dict():
+        values = [getattr(by_length[n], name) for n in lengths]
+        if any(b > a for a, b in zip(values, values[1:])):
+            bad.append(f"{what}: {name} grows with the sequence: "
+                       + ", ".join(f"{v} at N={n}" for n, v in zip(lengths, values)))
+    return bad
+
+
+def transfer_line(what, by_length):
+    """``forward N=1024: 0 to host (0 B), ...; N=4096: ...``: one call's transfers at each
+    length."""
+    return f"{what} " + "; ".join(f"N={n}: {by_length[n]}" for n in sorted(by_length))
+
+
+def check_transfers(cupy, rep, lengths=(1024, 4096), Z=8, Zkv=2, d=128):
+    """A forward, a backward and a decode call on CuPy arrays, one rank, at two lengths:
+    their host transfers, printed, and checked against ``transfer_growth``."""
+    counts = {"forward": {}, "backward": {}, "decode": {}}
+    rng = np.random.default_rng(7)
+    for N in lengths:
+        q, k, v, do = (cupy.asarray(x) for x in _problem(1, N, Z, Zkv, d, "bfloat16", seed=7))
+        plan = BurstAttention(MPI.COMM_SELF, causal=True, backend="cuda")
+        state = {}
+
+        def fwd():
+            state["out"] = plan.forward(q, k, v)
+
+        counts["forward"][N] = _counted(cupy, fwd)
+        out, lse = state["out"]
+        counts["backward"][N] = _counted(cupy, lambda: plan.backward(do, q, k, v, out, lse))
+        cache = KVCache(MPI.COMM_SELF, capacity=N + 2, batch=1, kv_heads=Zkv, head_dim=d, dtype=bfloat16,
+                        backend="cuda")
+        cache.load(k, v)
+        new = iter([[cupy.asarray(rng.standard_normal((1, 1, h, d), dtype=np.float32).astype(bfloat16))
+                     for h in (Z, Zkv, Zkv)] for _ in range(2)])
+        counts["decode"][N] = _counted(cupy, lambda: cache.decode(*next(new)))
+    for what, by_length in counts.items():
+        bad = transfer_growth(what, by_length)
+        rep.line(not bad, "transfers per call: " + transfer_line(what, by_length))
+        for b in bad:
+            print(f"  {b}")
 
 
 def check_interop(rep):
@@ -286,7 +358,7 @@ def check_ranks(rep, transport, quick):
                  f"in {time.perf_counter() - t0:.0f} s")
 
 
-# -- 6. bench -------------------------------------------------------------------------------------
+# -- 7. bench -------------------------------------------------------------------------------------
 
 def _time(cupy, fn, iters=5, warmup=2):
     for _ in range(warmup):
@@ -301,6 +373,9 @@ def _time(cupy, fn, iters=5, warmup=2):
 
 
 def bench(cupy, rep, N=16384, H=16, d=128):
+    """Prints the kernels' rates next to torch's, and the decode's; returns {causal: (forward
+    TFLOP/s, backward TFLOP/s)}."""
+    rates = {}
     try:
         import torch
     except ImportError:
@@ -319,6 +394,7 @@ def bench(cupy, rep, N=16384, H=16, d=128):
         t_fwd = _time(cupy, fwd)
         out, lse = state["o"]
         t_bwd = _time(cupy, lambda: plan.backward(do, q, k, v, out, lse))
+        rates[causal] = (flops / t_fwd / 1e12, 2.5 * flops / t_bwd / 1e12)
         line = (f"  causal={causal!s:5s} burstmpi fwd {t_fwd * 1e3:7.2f} ms {flops / t_fwd / 1e12:6.1f} TF/s, "
                 f"bwd {t_bwd * 1e3:7.2f} ms {2.5 * flops / t_bwd / 1e12:6.1f} TF/s")
         if torch is not None and torch.cuda.is_available():
@@ -363,6 +439,24 @@ def bench(cupy, rep, N=16384, H=16, d=128):
     print(f"  decode: cache {N} tokens, 32/{Zkv} heads, d {d}, bf16, T=1: {t * 1e3:.3f} ms per call, "
           f"K/V read at {kv_bytes / t / 1e9:.0f} GB/s", flush=True)
     rep.line(True, "bench done")
+    return rates
+
+
+def store_measured_rate(cupy, dev, rates, N=16384, H=16, d=128):
+    """The bench's rates without a mask, stored in the rate file under this GPU's name, for
+    ``topology="auto"`` (``config.Settings.kernel_rate``). A file that cannot be written
+    is said, not failed: the GPU is fine."""
+    fwd, bwd = rates[False]
+    name = device_name(cupy, dev)
+    shape = f"{N} tokens, {H} heads, head dim {d}, bfloat16, no mask, one rank"
+    try:
+        path = store_rate(name, fwd, bwd, burstmpi=__version__, shape=shape)
+    except OSError as e:
+        print(f"# kernel rate not stored ({type(e).__name__}: {e}): topology='auto' plans with the nominal rate "
+              "here unless kernel_tflops= (BURSTMPI_KERNEL_TFLOPS) is given", flush=True)
+        return
+    print(f"# kernel rate stored for topology='auto': {name}: forward {fwd:.1f}, backward {bwd:.1f} TFLOP/s "
+          f"in {path}", flush=True)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -372,7 +466,8 @@ def bench(cupy, rep, N=16384, H=16, d=128):
               help="Transport of the multi-rank check.")
 @click.option("--seqlen-local", default=384, show_default=True, help="Tokens per rank in the multi-rank check.")
 def main(quick, ranks_only, transport, seqlen_local):
-    """Check burstmpi's GPU path on this machine: probe, kernels, decode, interop, ranks, bench."""
+    """Check burstmpi's GPU path on this machine: probe, kernels, decode, transfers, interop, ranks, bench
+    (which stores the kernels' rate for topology="auto")."""
     if ranks_only:
         sys.exit(ranks_worker(transport, seqlen_local))
     try:
@@ -381,18 +476,18 @@ def main(quick, ranks_only, transport, seqlen_local):
         print(f"# {e}\n# nothing checked: FAILED")
         sys.exit(2)
     dev = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    print(f"# burstmpi-gpucheck: {props['name'].decode()} (sm_{dev.compute_capability}), CuPy "
+    print(f"# burstmpi-gpucheck: {device_name(cupy, dev.id)} (sm_{dev.compute_capability}), CuPy "
           f"{cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, driver "
           f"{cupy.cuda.runtime.driverGetVersion()}", flush=True)
     rep, t0 = Report(), time.perf_counter()
     steps = [("probe", lambda: check_probe(cupy, dev.id, rep)),
              ("kernels", lambda: check_one_rank(cupy, rep, quick)),
              ("decode", lambda: check_decode(cupy, rep, quick)),
+             ("transfers", lambda: check_transfers(cupy, rep)),
              ("interop", lambda: check_interop(rep)),
              ("ranks", lambda: check_ranks(rep, transport, quick))]
     if not quick:
-        steps.append(("bench", lambda: bench(cupy, rep)))
+        steps.append(("bench", lambda: store_measured_rate(cupy, dev.id, bench(cupy, rep))))
     for name, step in steps:
         # GPU time is scarce: one check's crash is reported and the others still run.
         try:

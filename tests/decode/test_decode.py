@@ -158,6 +158,133 @@ def test_one_rank_failing_makes_every_rank_raise():
         cache.decode(*args)
 
 
+# -- the argument check: q, k, v fingerprinted where they live, no trips through the host ----
+
+
+def _one_ulp(x, at):
+    """``x`` (a copy) with element ``at`` (flat, C order) one ULP larger in magnitude."""
+    y = x.copy()
+    y.view(np.dtype(f"u{x.dtype.itemsize}")).reshape(-1)[at] += 1
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_device_fingerprint_the_same_bits_the_same_value_one_ulp_differs(dtype, monkeypatch):
+    """validate.device_fingerprint: the same on every rank for the same bits, read through
+    strides or in chunks alike; one ULP in any one element of q, k or v changes it."""
+    from burstmpi import _validate
+
+    q, k, v = _problem(T=3, seed=11, dtype=dtype_of(dtype))
+    fp = _validate.device_fingerprint(np, [q, k, v])
+    assert fp.shape == (1,) and fp.dtype == np.uint64
+    assert len(set(COMM.allgather(int(fp[0])))) == 1
+    wide = np.zeros((1, 6) + q.shape[2:], q.dtype)
+    wide[:, ::2] = q
+    assert wide[:, ::2].strides != q.strides
+    assert _validate.device_fingerprint(np, [wide[:, ::2], k, v]) == fp
+    monkeypatch.setattr(_validate, "FINGERPRINT_CHUNK", 7)  # chunks that split every array
+    assert _validate.device_fingerprint(np, [q, k, v]) == fp
+    seen = {int(fp[0])}
+    for i in range(3):
+        for at in (0, 5, (q, k, v)[i].size - 1):
+            args = [q, k, v]
+            args[i] = _one_ulp(args[i], at)
+            seen.add(int(_validate.device_fingerprint(np, args)[0]))
+    assert len(seen) == 1 + 3 * 3, "an element's ULP left the fingerprint unchanged"
+    assert np.array_equal(q, _problem(T=3, seed=11, dtype=dtype_of(dtype))[0])  # inputs untouched
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_one_ulp_on_one_rank_is_named_everywhere(name):
+    """With the argument check on, one ULP in one element on one rank makes every rank raise,
+    naming the argument; the cache is left as it was."""
+    cache = _cache()
+    cache.decode(*_problem())
+    args = _problem(seed=4)
+    if RANK == NRANKS - 1:
+        i = "qkv".index(name)
+        args[i] = _one_ulp(args[i], 7)
+    with pytest.raises(ValueError, match=rf"KVCache.decode: ranks disagree on {name}: rank 0 has"):
+        cache.decode(*args)
+    assert cache.seqlen == 1
+    cache.decode(*_problem(seed=4))
+    assert cache.seqlen == 2
+
+
+def test_check_off_computes_no_fingerprint_and_the_same_bits(monkeypatch):
+    """check=False (BURSTMPI_CHECK=0): no fingerprint at all; check on: one on the device per
+    call and none on the host. The results are bitwise the same either way, and right
+    against float64."""
+    from burstmpi._decode import cache as cache_module
+
+    calls = {"device": 0, "host": 0}
+    real_device, real_host = cache_module.device_fingerprint, cache_module.fingerprint
+
+    def on_device(xp, arrays):
+        calls["device"] += 1
+        return real_device(xp, arrays)
+
+    def on_host(a):
+        calls["host"] += 1
+        return real_host(a)
+
+    monkeypatch.setattr(cache_module, "device_fingerprint", on_device)
+    monkeypatch.setattr(cache_module, "fingerprint", on_host)
+    Ts = (2, 1, 1, 3)
+    steps = [_problem(T=T, seed=20 + i) for i, T in enumerate(Ts)]
+    results = {}
+    for check in (True, False):
+        calls.update(device=0, host=0)
+        cache = _cache(check=check)
+        results[check] = [cache.decode(*step, return_lse=True) for step in steps]
+        assert calls == {"device": len(Ts) if check else 0, "host": 0}, (check, calls)
+    for (o1, l1), (o0, l0) in zip(results[True], results[False]):
+        assert np.array_equal(o1.view(np.uint8), o0.view(np.uint8)) and np.array_equal(l1, l0)
+    q, k, v = (np.concatenate([step[i] for step in steps], axis=1) for i in range(3))
+    o64, l64 = ref.forward(q, k, v, causal=True)
+    op, lp = ref.forward(q, k, v, causal=True, precision="plain")
+    out = np.concatenate([o for o, _ in results[False]], axis=1)
+    lse = np.concatenate([l for _, l in results[False]], axis=2)
+    check_close("decode check off out", out, o64, op, "float32")
+    check_close("decode check off lse", lse, l64, lp, "float32")
+
+
+def test_a_decode_reads_only_the_headers_on_the_host(monkeypatch):
+    """Per call the host reads the gathered headers alone (P x 32 bytes, however large the
+    partials), and the device gets the header's words and the owner's token indices:
+    nothing the size of q, k, v or of the gathered messages (NumPy arrays here, so
+    burstmpi._transfers sees the calls but counts nothing: the copies are recorded here)."""
+    from burstmpi._decode import cache as cache_module, exchange, slots
+
+    log = {"to_host": [], "to_device": []}
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kw):
+            a = args[0] if name == "to_host" else args[1]
+            log[name].append(np.asarray(a).nbytes)
+            return real(*args, **kw)
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module in (exchange, slots, cache_module):
+        for name in ("to_host", "to_device"):
+            if hasattr(module, name):
+                spy(module, name)
+    Z, d = 16, 32
+    cache = _cache(head_dim=d, capacity=4 * NRANKS + 4)
+    cache.decode(*_problem(Z=Z, d=d))
+    for i in range(2 * NRANKS):
+        log["to_host"].clear(), log["to_device"].clear()
+        cache.decode(*_problem(Z=Z, d=d, seed=30 + i))
+        owner = (cache.seqlen - 1) % NRANKS == RANK
+        assert log["to_host"] == [NRANKS * 32], log
+        assert sorted(log["to_device"]) == ([3 * 8] if owner else []) + [32], log  # token, slot, position
+    q_bytes = Z * d * 4
+    assert cache.last_stats.message_bytes > q_bytes > max(log["to_device"])
+
+
 def test_prefill_on_a_filled_cache_says_use_decode():
     cache = _cache()
     cache.decode(*_problem())

@@ -1,0 +1,510 @@
+"""A fake CuPy (and NCCL) that runs burstmpi's "cuda" path on the CPU and counts every trip
+through the host: the ground truth that ``burstmpi._transfers``' counters are checked
+against (tests/gpu/test_host_transfers.py).
+
+Device arrays are :class:`DeviceArray`, a ``numpy.ndarray`` subclass, so the emulated
+kernels (tests/kernel_harness.py) get real addresses through ``a.data.ptr`` as CuPy's
+kernels do. Everything real CuPy does with a copy through the host (or a wait for the
+device) is counted in :data:`COUNTS` (a ``burstmpi._transfers.Transfers``):
+
+- ``get()`` / ``asnumpy``: one copy to the host, its bytes; so are ``float()``, ``int()``,
+  ``bool()``, ``item()`` and ``tolist()`` (CuPy copies and waits there);
+- ``asarray``/``array`` of a NumPy array: one copy to the device, its bytes; so is a NumPy
+  index array in ``a[idx]`` or a NumPy value in ``a[...] = value`` (CuPy copies it
+  implicitly: burstmpi must not rely on that, and the counts tell if it does);
+- ``synchronize()`` of a stream, an event or a device, and the ``done`` query of an event
+  (``NCCLTransport.finish`` polls it, with a deadline, where it would synchronise): one wait.
+
+And what real CuPy refuses, this refuses: NumPy functions on device arrays
+(``__array_function__``: "implicit conversion to a NumPy array is not allowed") and
+ufuncs mixing device arrays with NumPy arrays. A reduction or a scalar index gives a 0-d
+device array, not a NumPy scalar, so reading its value is a counted copy as in CuPy.
+
+Why a subclass, and what that costs. The kernels need pointers into real memory, and the
+ring's code treats device arrays with ndarray methods (views, reshapes, slices,
+in-place arithmetic) that a subclass gets for free. But burstmpi decides "host or device"
+with ``isinstance(x, numpy.ndarray)`` in a few places (``_interop.is_host``,
+``_transfers._on_host``), which a subclass passes: :func:`install` patches those two
+(only for :class:`DeviceArray`) for the test's duration. What a subclass cannot show is
+NumPy reading a device array without asking (``np.asarray(dev)``, the buffer protocol):
+NumPy takes an ndarray subclass as an ndarray, so such a read is neither refused nor
+counted. burstmpi's GPU paths read device arrays on the host only through
+``burstmpi._transfers.to_host`` (which calls ``get``); a new ``np.asarray`` on a device
+array would slip past this fake, and real CuPy would raise on it.
+
+``DeviceArray.__module__`` starts with "cupy" so that ``_interop.like`` takes it for a CuPy
+array (it asks the array's module).
+
+NCCL: :class:`FakeNccl` (the ``nccl`` module's group calls and constants) and
+:class:`FakeNcclComm` (a communicator: ``send``/``recv`` queued in a group and run over
+MPI on a communicator of their own when the group closes, ``allGather`` at once), which
+read and write device memory through its addresses, never through a host copy. Streams
+and events are already complete when asked (the emulated kernels run synchronously).
+"""
+
+import ctypes
+import types
+
+import numpy as np
+from mpi4py import MPI
+
+from burstmpi._transfers import Transfers
+
+__all__ = ["COUNTS", "DeviceArray", "FakeCupy", "FakeNccl", "FakeNcclComm", "install", "reset"]
+
+COUNTS = Transfers()
+# Where each counted copy and wait came from, while ``TRACE`` is true: (kind, bytes, the
+# caller's file:line in burstmpi) - to find an uncounted one.
+TRACE = False
+WHERE = []
+
+
+def reset():
+    """Zero :data:`COUNTS` (and forget :data:`WHERE`)."""
+    for name in COUNTS.as_dict():
+        setattr(COUNTS, name, 0)
+    WHERE.clear()
+
+
+def _trace(kind, nbytes):
+    if TRACE:
+        import traceback
+
+        inside = [f"{f.filename.split('burstmpi/')[-1]}:{f.lineno}" for f in traceback.extract_stack()[:-2]
+                  if "/burstmpi/" in f.filename and "/tests/" not in f.filename]
+        WHERE.append((kind, int(nbytes), inside[-3:]))
+
+
+def _d2h(nbytes):
+    COUNTS.d2h += 1
+    COUNTS.d2h_bytes += int(nbytes)
+    _trace("d2h", nbytes)
+
+
+def _h2d(nbytes):
+    COUNTS.h2d += 1
+    COUNTS.h2d_bytes += int(nbytes)
+    _trace("h2d", nbytes)
+
+
+def _sync():
+    COUNTS.syncs += 1
+    _trace("sync", 0)
+
+
+def _is_host_array(x):
+    return isinstance(x, np.ndarray) and not isinstance(x, DeviceArray)
+
+
+def _base(x):
+    """A device array as a plain ndarray view (for NumPy to work on), anything else as is."""
+    return x.view(np.ndarray) if isinstance(x, DeviceArray) else x
+
+
+def _dev(x):
+    """NumPy's result as device arrays (0-d for scalars, as CuPy gives them)."""
+    if isinstance(x, tuple):
+        return tuple(_dev(y) for y in x)
+    if isinstance(x, np.ndarray):
+        return x if isinstance(x, DeviceArray) else x.view(DeviceArray)
+    if isinstance(x, np.generic):
+        return np.asarray(x).view(DeviceArray)
+    return x
+
+
+def _index(key):
+    """``key`` with device arrays as plain views; a NumPy index array is copied to the
+    device implicitly by CuPy: counted."""
+    parts = key if isinstance(key, tuple) else (key,)
+    out = []
+    for p in parts:
+        if _is_host_array(p) and p.ndim > 0:
+            _h2d(p.nbytes)
+        out.append(_base(p))
+    return tuple(out) if isinstance(key, tuple) else out[0]
+
+
+class _Pointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class DeviceArray(np.ndarray):
+    """An array in (fake) device memory: see the module docstring."""
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA, device 0
+
+    @property
+    def data(self):
+        return _Pointer(self.ctypes.data)
+
+    @property
+    def device(self):
+        return FakeCupy.cuda.Device(0)
+
+    # -- copies to the host (counted) ---------------------------------------------------
+
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        _d2h(self.nbytes)
+        if out is None:
+            return np.array(self.view(np.ndarray), order=order, copy=True)
+        out[...] = self.view(np.ndarray)
+        return out
+
+    def set(self, arr, stream=None):
+        _h2d(np.asarray(arr).nbytes)
+        self.view(np.ndarray)[...] = arr
+
+    def item(self, *args):
+        _d2h(self.itemsize)
+        return self.view(np.ndarray).item(*args)
+
+    def tolist(self):
+        _d2h(self.nbytes)
+        return self.view(np.ndarray).tolist()
+
+    def __float__(self):
+        _d2h(self.itemsize)
+        return float(self.view(np.ndarray))
+
+    def __int__(self):
+        _d2h(self.itemsize)
+        return int(self.view(np.ndarray))
+
+    def __index__(self):
+        _d2h(self.itemsize)
+        return self.view(np.ndarray).__index__()
+
+    def __bool__(self):
+        _d2h(self.itemsize)
+        return bool(self.view(np.ndarray))
+
+    def __repr__(self):  # no copy: tests print what failed
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
+
+    __str__ = __repr__
+
+    # -- what CuPy refuses or copies implicitly -----------------------------------------
+
+    def __array_function__(self, func, types, args, kwargs):
+        raise TypeError(f"fake CuPy: numpy.{func.__name__} on a device array: implicit conversion to a "
+                        "NumPy array is not allowed (use get())")
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        for x in inputs:
+            if _is_host_array(x):
+                raise TypeError(f"fake CuPy: {ufunc.__name__}: a NumPy array beside a device array "
+                                "(implicit conversion is not allowed)")
+        out = kwargs.get("out")
+        if out is not None:
+            kwargs["out"] = tuple(_base(o) for o in out)
+        result = getattr(ufunc, method)(*(_base(x) for x in inputs), **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return _dev(result)
+
+    def __getitem__(self, key):
+        return _dev(super().__getitem__(_index(key)))
+
+    def __setitem__(self, key, value):
+        if _is_host_array(value) and value.ndim > 0:
+            _h2d(value.nbytes)
+        super().__setitem__(_index(key), _base(value))
+
+def _reduction(name):
+    def method(self, *args, **kwargs):
+        return _dev(getattr(self.view(np.ndarray), name)(*args, **kwargs))
+    method.__name__ = name
+    return method
+
+
+# ndarray methods that would return NumPy scalars: 0-d device arrays, as CuPy's
+for _name in ("all", "any", "sum", "min", "max", "mean", "prod", "argmax", "argmin"):
+    setattr(DeviceArray, _name, _reduction(_name))
+del _name
+
+DeviceArray.__module__ = "cupy_fake"  # ``_interop._is_cupy`` asks the module's name
+
+
+# -- the array module --------------------------------------------------------------------------
+
+def _refuse_host(fn, args):
+    for a in args:
+        if _is_host_array(a):
+            raise TypeError(f"fake CuPy: {fn}: expected device arrays, got a NumPy array (implicit "
+                            "conversion is not allowed)")
+
+
+def asarray(a, dtype=None, order=None):
+    if isinstance(a, DeviceArray):
+        return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    host = np.asarray(a, dtype=dtype, order=order)
+    if _is_host_array(a):
+        _h2d(host.nbytes)  # lists and scalars also travel, but burstmpi hands arrays
+    return np.array(host, copy=True).view(DeviceArray)
+
+
+def array(a, dtype=None, copy=True, order="K"):
+    if isinstance(a, DeviceArray):
+        return np.array(a.view(np.ndarray), dtype=dtype, copy=True, order=order).view(DeviceArray)
+    if _is_host_array(a):
+        _h2d(a.nbytes)
+    return np.array(a, dtype=dtype, copy=True, order=order).view(DeviceArray)
+
+
+def ascontiguousarray(a, dtype=None):
+    _refuse_host("ascontiguousarray", [a])
+    return _dev(np.ascontiguousarray(_base(a), dtype=dtype))
+
+
+def asnumpy(a, stream=None, order="C", out=None):
+    if isinstance(a, DeviceArray):
+        return a.get(out=out)
+    return np.asarray(a)
+
+
+def _maker(name):
+    def make(*args, **kwargs):
+        return _dev(getattr(np, name)(*args, **kwargs))
+    make.__name__ = name
+    return make
+
+
+def _on_device(name):
+    """A NumPy function over device arrays only (CuPy's refuses NumPy arrays)."""
+    def run(*args, **kwargs):
+        flat = [y for x in args for y in (x if isinstance(x, (list, tuple)) else [x])]
+        _refuse_host(name, flat)
+        conv = [[_base(y) for y in x] if isinstance(x, (list, tuple)) else _base(x) for x in args]
+        return _dev(getattr(np, name)(*conv, **{k: _base(v) for k, v in kwargs.items()}))
+    run.__name__ = name
+    return run
+
+
+def _like(name):
+    def make(a, *args, **kwargs):
+        return _dev(getattr(np, name)(_base(a), *args, **kwargs))
+    make.__name__ = name
+    return make
+
+
+# -- streams, events, devices ------------------------------------------------------------------
+
+class Event:
+    """Complete as soon as recorded (the emulated kernels run synchronously)."""
+
+    @property
+    def done(self):
+        _sync()  # the host asks whether the device got here: a wait where it is not
+        return True
+
+    def synchronize(self):
+        _sync()
+
+    def record(self, stream=None):
+        pass
+
+
+class Stream:
+    _next = 1
+
+    def __init__(self, null=False, non_blocking=False, ptr=None):
+        self.ptr = 0 if null else Stream._next
+        Stream._next += 1
+
+    def record(self, event=None):
+        return Event() if event is None else event
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        _sync()
+
+    def use(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_CURRENT = Stream(null=True)
+
+
+class Device:
+    """Device ``id`` (one per rank: ``pci_bus_id`` differs, so NCCL is chosen)."""
+
+    def __init__(self, device=0):
+        self.id = int(device)
+        self.attributes = {"MaxSharedMemoryPerBlockOptin": 227 * 1024}
+        self.compute_capability = "90"
+
+    @property
+    def pci_bus_id(self):
+        return f"0000:{MPI.COMM_WORLD.Get_rank():02x}:00.0"
+
+    def use(self):
+        pass
+
+    def synchronize(self):
+        _sync()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Runtime:
+    @staticmethod
+    def getDeviceCount():
+        return 1
+
+    @staticmethod
+    def getDeviceProperties(device):
+        return {"name": b"fake GPU (CPU emulator)", "major": 9, "minor": 0}
+
+
+def _pinned(nbytes):
+    return np.empty(nbytes, np.uint8).data  # a buffer np.frombuffer takes (``_interop.cupyx_pinned``)
+
+
+_cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, runtime=_Runtime,
+                              get_current_stream=lambda device=None: _CURRENT,
+                              alloc_pinned_memory=_pinned)
+
+
+class _FakeCupy(types.ModuleType):
+    """The fake ``cupy`` module: array functions return :class:`DeviceArray`; dtypes are
+    NumPy's."""
+
+    ndarray = DeviceArray
+    cuda = _cuda
+
+    def __init__(self):
+        super().__init__("cupy_fake")
+        for name in ("empty", "zeros", "ones", "full", "arange"):
+            setattr(self, name, _maker(name))
+        for name in ("empty_like", "zeros_like", "ones_like", "full_like"):
+            setattr(self, name, _like(name))
+        for name in ("stack", "concatenate", "where", "maximum", "minimum", "exp", "log", "isfinite",
+                     "isnan", "take", "broadcast_to", "moveaxis", "flip", "searchsorted", "cumsum",
+                     "nonzero", "argsort", "sort", "bitwise_xor", "count_nonzero"):
+            setattr(self, name, _on_device(name))
+        self.asarray, self.array, self.asnumpy = asarray, array, asnumpy
+        self.ascontiguousarray = ascontiguousarray
+        self.from_dlpack = lambda x: x if isinstance(x, DeviceArray) else asarray(x)
+
+    def __getattr__(self, name):  # dtypes and constants: NumPy's
+        value = getattr(np, name)
+        if isinstance(value, type) and issubclass(value, np.generic) or name in ("dtype", "inf", "nan", "newaxis"):
+            return value
+        if isinstance(value, np.ufunc):  # on device arrays only, as CuPy's
+            return _on_device(name)
+        raise AttributeError(f"fake CuPy has no {name!r} (add it to tests/gpu/fake_cupy.py if burstmpi needs it)")
+
+
+FakeCupy = _FakeCupy()
+
+
+# -- NCCL -------------------------------------------------------------------------------------
+
+class FakeNccl:
+    """The ``cupy.cuda.nccl`` names ``NCCLTransport`` uses: a group collects the
+    communicators' sends and receives, run together when it closes."""
+
+    NCCL_UINT8 = 7
+    _open = None
+
+    @classmethod
+    def groupStart(cls):
+        if cls._open is not None:
+            raise RuntimeError("fake NCCL: groups do not nest here")
+        cls._open = []
+
+    @classmethod
+    def groupEnd(cls):
+        ops, cls._open = cls._open, None
+        reqs = [op() for op in ops]
+        MPI.Request.Waitall([r for r in reqs if r is not None])
+
+
+def _memory(ptr, nbytes):
+    """Device memory at ``ptr`` as a buffer MPI reads and writes in place (no copy)."""
+    return (ctypes.c_ubyte * nbytes).from_address(ptr)
+
+
+class FakeNcclComm:
+    """An NCCL communicator over ``comm`` (an MPI communicator: a duplicate of its own,
+    so its messages never match burstmpi's). Transfers move device memory directly."""
+
+    TAG = 7
+
+    def __init__(self, comm):
+        self.mpi = comm.Dup()
+
+    def _queued(self, post):
+        if FakeNccl._open is None:
+            FakeNccl.groupStart()
+            FakeNccl._open.append(post)
+            FakeNccl.groupEnd()
+        else:
+            FakeNccl._open.append(post)
+
+    def send(self, ptr, nbytes, dtype, peer, stream):
+        self._queued(lambda: self.mpi.Isend([_memory(ptr, nbytes), MPI.BYTE], dest=peer, tag=self.TAG)
+                     if nbytes else None)
+
+    def recv(self, ptr, nbytes, dtype, peer, stream):
+        self._queued(lambda: self.mpi.Irecv([_memory(ptr, nbytes), MPI.BYTE], source=peer, tag=self.TAG)
+                     if nbytes else None)
+
+    def allGather(self, send, recv, nbytes, dtype, stream):
+        self.mpi.Allgather([_memory(send, nbytes), MPI.BYTE],
+                           [_memory(recv, nbytes * self.mpi.Get_size()), MPI.BYTE])
+
+    def check_async_error(self):
+        pass
+
+    def abort(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+# -- installing it where burstmpi looks ------------------------------------------------------------
+
+def install(monkeypatch, backend_class):
+    """Make burstmpi's "cuda" path run on the fake, with ``backend_class(cupy, device)`` as
+    its backend (a ``CupyBackend`` whose launches run on the emulator) and the real
+    ``NCCLTransport`` over :class:`FakeNccl` as its transport; device arrays count as
+    device memory in ``_interop`` and ``_transfers``. Returns the fake ``cupy``."""
+    from burstmpi import _interop, _runtime, _transfers
+    from burstmpi._transport import nccl
+
+    real_is_host, real_on_host = _interop.is_host, _transfers._on_host
+    is_host = lambda x: not isinstance(x, DeviceArray) and real_is_host(x)
+    monkeypatch.setattr(_interop, "is_host", is_host)
+    monkeypatch.setattr(_runtime, "is_host", is_host)
+    monkeypatch.setattr(_transfers, "_on_host", lambda a: not isinstance(a, DeviceArray) and real_on_host(a))
+    monkeypatch.setattr(_runtime, "import_cupy", lambda fn: FakeCupy)
+    monkeypatch.setattr(_runtime, "CupyBackend", backend_class)
+    monkeypatch.setattr(nccl, "available", lambda: True)
+    monkeypatch.setattr(nccl, "communicator", lambda comm, device_id, timeout=None: FakeNcclComm(comm))
+    real = nccl.NCCLTransport
+
+    class Transport(real):
+        def __init__(self, comm, device_id, timeout_s=300.0, *, _cupy=None, _nccl=None, _nccl_comm=None):
+            super().__init__(comm, device_id, timeout_s, _cupy=FakeCupy, _nccl=FakeNccl,
+                             _nccl_comm=FakeNcclComm(comm) if _nccl_comm is None else _nccl_comm)
+
+    monkeypatch.setattr(nccl, "NCCLTransport", Transport)
+    return FakeCupy
