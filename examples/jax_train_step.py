@@ -4,8 +4,9 @@
 
 Embedding -> Q/K/V projections -> burstmpi.jax.attention (causal, zigzag) -> output
 projection -> next-token loss -> SGD with momentum, the whole step under ``jax.jit`` with
-``jax.value_and_grad``: burstmpi's forward and backward run as ordered host callbacks, in
-program order on every rank. Every rank holds the same weights and its own tokens; the
+``jax.value_and_grad``: burstmpi's forward and backward run inside the compiled step on
+XLA's own buffers, each call carrying JAX's ordering token, so in program order on every
+rank. Every rank holds the same weights and its own tokens; the
 gradients are summed over ranks with MPI, so the update is the same everywhere. Prints the
 loss of each step on rank 0, and whether the weights after the last step have the same bits
 on every rank.
