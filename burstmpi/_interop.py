@@ -72,8 +72,11 @@ def to_numpy(x, name, fn):
     if hasattr(x, "get"):  # CuPy
         return np.asarray(_transfers.to_host(x))
     if _is_torch(x):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)  # JAX and other array-API producers copy to the host
+        a = x.detach().cpu().numpy()
+    else:
+        a = np.asarray(x)  # JAX and other array-API producers copy to the host
+    _transfers.copied_to_host(a.nbytes)
+    return a
 
 
 def to_device(x, name, fn, cupy):

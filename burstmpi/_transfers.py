@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["Transfers", "to_host", "to_device", "synchronize", "snapshot", "counting"]
+__all__ = ["Transfers", "to_host", "to_device", "copied_to_host", "synchronize", "snapshot", "counting"]
 
 
 @dataclass
@@ -76,6 +76,12 @@ def to_device(xp, a):
     if xp is not np and isinstance(a, np.ndarray):
         _add(h2d=1, h2d_bytes=int(a.nbytes))
     return xp.asarray(a)
+
+
+def copied_to_host(nbytes):
+    """Count a copy to the host that another library made (torch's ``.cpu()``, JAX's
+    ``__array__``): burstmpi asked for it, so it is burstmpi's cost too."""
+    _add(d2h=1, d2h_bytes=int(nbytes))
 
 
 def synchronize(waitable):

@@ -171,6 +171,28 @@ def test_host_transfers_fake_cupy_counts_what_cupy_copies(gpu):
     assert not _interop.is_host(a) and _interop.is_host(a.get())
 
 
+def test_host_transfers_small_arguments_of_other_frameworks_are_counted():
+    """Document offsets on a GPU of another framework (torch, JAX: copied by the framework
+    itself) are copied to the host once per call, and counted like CuPy's copies."""
+    from burstmpi import _interop
+
+    class OnGpu:  # what a JAX or torch array on CUDA device 0 shows burstmpi
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA
+
+        def __array__(self, dtype=None, copy=None):
+            return self.a
+
+    cu = np.array([0, 40, 96], dtype=np.int32)
+    with _transfers.counting() as t:
+        got = _interop.to_numpy(OnGpu(cu), "cu_seqlens", "f")
+    assert got.tolist() == [0, 40, 96]
+    assert t.as_dict() == Transfers(d2h=1, d2h_bytes=12).as_dict()
+
+
 # -- the ring ----------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(600)
