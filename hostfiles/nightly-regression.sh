@@ -4,7 +4,13 @@
 # configuration got slower than the tolerance allows.
 #
 #   hostfiles/nightly-regression.sh                 # from cron or a CI scheduler
-#   RANKS=32 LAUNCH="srun --mpi=pmix" hostfiles/nightly-regression.sh   # inside a Slurm allocation
+#   sbatch --nodes=4 --ntasks-per-node=8 hostfiles/nightly-regression.sh   # as a Slurm job
+#
+# As a Slurm job it launches $SLURM_NTASKS ranks with mpiexec inside the allocation (MPICH's
+# and Open MPI's read the nodes from Slurm), which returns the codes below as the ranks
+# chose them; `srun --mpi=pmi2` would turn the watchdog's 75 and the time limit's 143 into
+# 137 (docs/guide/clusters.md). At the time limit Slurm sends SIGTERM (then SIGKILL after
+# KillWait): the rows done are kept, and the job's state is TIMEOUT.
 #
 # The first run (no baseline yet) records one; later runs compare with it. Refresh the
 # baseline deliberately (copy a good night's JSON over it), never automatically.
@@ -21,10 +27,13 @@
 # SIGTERM (Ctrl-C, a scheduler's time limit): the rows measured before it are in the JSON
 # and JUnit files. Ctrl-C once: the job then writes its rows and ends within seconds.
 #
-# Variables: RANKS (4), LAUNCH ("mpiexec -n $RANKS"), OUT, TOLERANCE (0.10), SWEEP (the
-# bench's flags), PYTHON (python: the interpreter burstmpi is installed in).
+# Variables: RANKS ($SLURM_NTASKS in a Slurm job, else 4), LAUNCH ("mpiexec -n $RANKS"),
+# OUT, TOLERANCE (0.10), SWEEP (the bench's flags), PYTHON (python: the interpreter
+# burstmpi is installed in).
+#SBATCH --job-name=burstmpi-nightly
+#SBATCH --output=burstmpi-nightly-%j.out
 set -uo pipefail
-RANKS=${RANKS:-4}
+RANKS=${RANKS:-${SLURM_NTASKS:-4}}
 LAUNCH=${LAUNCH:-"mpiexec -n $RANKS"}
 OUT=${OUT:-${XDG_STATE_HOME:-$HOME/.local/state}/burstmpi/nightly}
 TOLERANCE=${TOLERANCE:-0.10}

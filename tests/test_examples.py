@@ -4,7 +4,8 @@ Each example prints its own check on rank 0: "largest error against float64 X" (
 far below 1e-5 for float32, relative to the largest value where the example says so) and
 "the same bits on every rank: True". The training steps also run at 1 rank: the split over
 ranks changes only rounding, so the losses agree step by step. The Slurm job script runs
-under a stand-in ``srun`` that launches ``mpiexec -n $SLURM_NTASKS``. Programs that import
+outside Slurm with ``SLURM_NTASKS=2``, launching as it does in a job (``mpiexec -n
+$SLURM_NTASKS``; ``tests/cluster/test_slurm.py`` runs it under a real Slurm). Programs that import
 torch or JAX are marked ``extras`` (``.ci/run``'s second phase). Every run has a timeout that
 kills its whole process group (``test_mpi.mpiexec``).
 """
@@ -210,27 +211,18 @@ def test_mask_planning():
     assert len(times) == 2 and max(times) < 60, proc.stdout
 
 
-FAKE_SRUN = """#!/bin/bash
-# srun's stand-in: drop srun's own options (--mpi=pmix), launch SLURM_NTASKS ranks.
-while [[ "${1:-}" == -* ]]; do shift; done
-exec "$MPIEXEC" -n "$SLURM_NTASKS" "$@"
-"""
-
-
 def test_slurm_job_script(tmp_path):
-    """examples/slurm_job.sh under a stand-in srun (mpiexec -n 2), with a one-row bench
-    and a small example: the bench's JSON and JUnit files, its footer, the example's check,
+    """examples/slurm_job.sh as a job of 2 tasks would run it (its default launcher,
+    ``mpiexec -n $SLURM_NTASKS``, here without Slurm), with a one-row bench and a small example: the bench's JSON and JUnit files, its footer, the example's check,
     exit 0. Then again against that JSON as a baseline (regression mode), and once more
     against a baseline 100 times faster, where the job must exit 3 (a regression)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    srun = bindir / "srun"
-    srun.write_text(FAKE_SRUN)
-    srun.chmod(0o755)
     python = bindir / "python"  # the job's `python`: this interpreter (a symlink would lose its venv)
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
-    env = dict(os.environ, PATH=os.pathsep.join([str(bindir), os.environ.get("PATH", "")]), MPIEXEC=MPIEXEC,
+    path = [str(bindir), os.path.dirname(MPIEXEC), os.environ.get("PATH", "")]  # the job's mpiexec: this one
+    env = dict(os.environ, PATH=os.pathsep.join(path),
                SLURM_NTASKS="2", SLURM_JOB_ID="4242", OPENBLAS_NUM_THREADS="1", BURSTMPI_UNDER_MPIEXEC="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OUT=str(tmp_path / "out"), BENCH_ARGS="-b 1K -e 1K -n 1 -w 0 -H 2 -D 64 -m causal",
@@ -270,4 +262,4 @@ def test_slurm_job_script(tmp_path):
             assert re.search(rf"# Regressions against .* {verdict}", out), out[-3000:]
         what = "first run" if not extra else ("with BASELINE" if status == 0 else "against a faster BASELINE")
         runs.append(f"  {what} ({time.perf_counter() - t0:.0f} s, exit {proc.returncode}): {lines[-1]}")
-    REPORTS.append(("examples/slurm_job.sh under a stand-in srun, SLURM_NTASKS=2", runs))
+    REPORTS.append(("examples/slurm_job.sh outside Slurm, SLURM_NTASKS=2 (mpiexec -n 2)", runs))

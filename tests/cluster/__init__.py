@@ -11,8 +11,12 @@ Linux bridge, and MPICH's hydra launches ranks on them as it would over ssh. The
 - ``faults``: what the fault tests do to a host (pull its link, drop packets, kill it);
 - ``launcher`` and ``remote``: the stand-in for ssh that hydra calls, and its far end
   inside a host (the command's output crosses the host's link, as over ssh);
+- ``slurm``: a real Slurm on a cluster (slurmctld on the head, a slurmd inside each host,
+  munge, a generated ``slurm.conf``), for the batch scripts' tests;
 - ``scripts/``: the small MPI programs the tests launch;
-- ``conftest``, ``test_cluster`` (healthy links) and ``test_faults`` (faults).
+- ``conftest``, ``test_cluster`` (healthy links), ``test_faults`` (faults) and
+  ``test_slurm`` (the shipped batch scripts under Slurm, with a regression, a time limit
+  and a pulled link).
 
 ``docs/guide/multihost.md`` says how to run it and what each fault does.
 """

@@ -7,8 +7,9 @@ The tests run only where they can and where they are asked for:
   command runs the whole suite, and as root it would otherwise spend minutes here that its
   own phase spends anyway;
 - not under ``mpiexec`` (these tests launch their own jobs).
-Otherwise each test skips with the reason. The cluster (4 hosts x 2 ranks, 1 Gbit/s links)
-is torn down by a finalizer, so also after a failure or Ctrl-C; leftovers of a run that was
+The Slurm tests (``test_slurm``) also need Slurm and munge installed (``slurm.missing_slurm``).
+Otherwise each test skips with the reason. The clusters (4 hosts x 2 ranks, 1 Gbit/s links)
+are torn down by a finalizer, so also after a failure or Ctrl-C; leftovers of a run that was
 killed are removed by the next one (``harness.clean``) or by
 ``python -m tests.cluster.harness down --all``.
 """
@@ -21,6 +22,7 @@ from conftest import NRANKS
 
 from .harness import Cluster
 from .shell import missing_tools
+from .slurm import Slurm, missing_slurm
 
 HOSTS, PPN, RATE = 4, 2, "1gbit"
 
@@ -55,3 +57,19 @@ def hosts(cluster):
     cluster.wait_reachable()
     yield cluster
     cluster.scrub()
+
+
+@pytest.fixture(scope="module")
+def slurm(request):
+    """Slurm (``slurm.Slurm``) on a cluster of its own, 4 hosts on 1 Gbit/s links, up for
+    the module. Its own: the ``hosts`` fixture kills every process on its hosts between
+    tests, and slurmd is one of them here."""
+    why = why_not() or missing_slurm()
+    if why:
+        pytest.skip(why)
+    c = Cluster(HOSTS, PPN, RATE)
+    request.addfinalizer(c.down)  # finalizers run last-in first-out: Slurm goes before its hosts
+    c.up()
+    s = Slurm(c)
+    request.addfinalizer(s.down)
+    return s.up()

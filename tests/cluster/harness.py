@@ -36,7 +36,7 @@ from .faults import LOSS_TABLE
 from .hosts import NIC, Host
 from .shell import ClusterError, missing_tools, run
 
-__all__ = ["Cluster", "Job", "clean", "kill_launchers", "tcp_retries2"]
+__all__ = ["Cluster", "Job", "clean", "kill_launchers", "kill_under", "tcp_retries2"]
 
 STATE_ROOT = Path("/run/burstmpi-cluster")
 SUBNET, SLOT_BITS, SLOTS = "198.18.0", 27, 8  # eight /27s: addresses 32*slot .. 32*slot+31
@@ -370,12 +370,36 @@ def kill_launchers(slot):
     return killed
 
 
+def kill_under(slot):
+    """SIGKILL every process whose command line names a path in ``slot``'s state directory
+    (the daemons ``slurm.Slurm`` runs in the root namespace: munged, slurmctld); return
+    their PIDs. ``Slurm.down`` ends its own daemons; this is for those of a killed session,
+    which the hosts' teardown cannot see (they are outside the hosts' namespaces)."""
+    marker = str(STATE_ROOT / f"slot{slot}").encode() + b"/"
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(marker in a for a in argv):
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def teardown(slot):
     """Remove everything of ``slot``, whether or not a ``Cluster`` object knows it: hosts
     found by name (``ip netns``), the bridge, the state directory. Errors are collected and
     raised together at the end, after every step ran."""
     prefix, state, errors = prefix_of(slot), STATE_ROOT / f"slot{slot}", []
     kill_launchers(slot)
+    kill_under(slot)
     listed = run(["ip", "netns", "list"], timeout=10).stdout.split()
     indices = sorted({int(n[len(prefix) + 1:]) for n in listed
                       if n.startswith(f"{prefix}h") and n[len(prefix) + 1:].isdigit()})

@@ -20,13 +20,13 @@ class ClusterError(RuntimeError):
     """A harness step failed: the message names the command and what it printed."""
 
 
-def run(args, timeout=30, check=True, input=None, env=None):
-    """Run ``args`` (a list) and return the ``CompletedProcess`` (text, stdout and stderr
-    captured). ``check``: raise ``ClusterError`` on a non-zero exit. A run past ``timeout``
-    seconds is killed and raises in any case."""
+def run(args, timeout=30, check=True, input=None, env=None, cwd=None):
+    """Run ``args`` (a list, in directory ``cwd``) and return the ``CompletedProcess`` (text,
+    stdout and stderr captured). ``check``: raise ``ClusterError`` on a non-zero exit. A run
+    past ``timeout`` seconds is killed and raises in any case."""
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, input=input,
-                              env=env, stdin=None if input is not None else subprocess.DEVNULL)
+                              env=env, cwd=cwd, stdin=None if input is not None else subprocess.DEVNULL)
     except subprocess.TimeoutExpired as e:
         raise ClusterError(f"{shlex.join(args)}: no answer within {timeout} s") from e
     except FileNotFoundError as e:
