@@ -41,7 +41,7 @@ __all__ = ["Slurm", "missing_slurm", "DAEMONS", "CLIENTS"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd")
 CLIENTS = ("sbatch", "srun", "squeue", "sinfo", "sacct", "scontrol", "scancel")
-PACKAGES = "apt-get install slurm-wlm munge"
+PACKAGES = "apt-get install slurmctld slurmd slurm-client munge"
 KILL_WAIT = 10       # s between a time limit's SIGTERM and SIGKILL (Slurm's default: 30)
 SLURMD_TIMEOUT = 120  # s of silence before slurmctld marks a node DOWN (see ``conf``)
 
