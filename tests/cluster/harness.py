@@ -344,6 +344,26 @@ class Job:
 
 # -- leftovers -----------------------------------------------------------------------------------
 
+def _kill_where(match):
+    """SIGKILL every process of this machine (but this one) whose command line (a list of
+    bytes) ``match`` accepts; return their PIDs."""
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if match(argv):
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def kill_launchers(slot):
     """SIGKILL the ssh stand-ins (``launcher.py``) of ``slot``'s cluster still running in the
     root namespace, found by the state file on their command line; return their PIDs.
@@ -353,21 +373,7 @@ def kill_launchers(slot):
     be lost with the namespace, and mpiexec leaves its launchers be when it exits: one sat
     in ``recv`` after its job had passed. ``ip netns pids`` cannot see them."""
     marker = str(STATE_ROOT / f"slot{slot}" / "state.json").encode()
-    killed = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"launcher.py") for a in argv) and marker in argv:
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-                killed.append(int(proc.name))
-            except ProcessLookupError:
-                pass
-    return killed
+    return _kill_where(lambda argv: any(a.endswith(b"launcher.py") for a in argv) and marker in argv)
 
 
 def kill_under(slot):
@@ -376,21 +382,7 @@ def kill_under(slot):
     their PIDs. ``Slurm.down`` ends its own daemons; this is for those of a killed session,
     which the hosts' teardown cannot see (they are outside the hosts' namespaces)."""
     marker = str(STATE_ROOT / f"slot{slot}").encode() + b"/"
-    killed = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(marker in a for a in argv):
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-                killed.append(int(proc.name))
-            except ProcessLookupError:
-                pass
-    return killed
+    return _kill_where(lambda argv: any(marker in a for a in argv))
 
 
 def teardown(slot):
