@@ -48,7 +48,11 @@ def _signal_after_first_row(cmd, sig, out, to_group=False, env=None, limit=240):
     stdout, stderr). Kills the whole group if it is not done within ``limit`` seconds."""
     err = out.with_suffix(".err")
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env or _env(), start_new_session=True)
+        # SIGINT as a terminal's job has it: a test run started in the background (``cmd &``
+        # in a script) ignores SIGINT, its children inherit that, and a shell cannot trap a
+        # signal ignored on entry, so the nightly script would never see its Ctrl-C.
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env or _env(), start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             t0 = time.monotonic()
             while not ROW.search(out.read_text()):
