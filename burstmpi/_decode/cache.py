@@ -48,11 +48,11 @@ from ..masks import Sinks, Window
 from ..masks._layout import LAYOUTS
 from .._plan import BurstAttention
 from .._runtime import Runtime
-from .._transfers import to_device
+from .._transfers import to_device, to_host
 from .._validate import (SUPPORTED_DTYPES, check_forward, check_layout_given, check_options, device_fingerprint,
                         fingerprint, global_layout, report)
 from .exchange import FAILED, OK, RESHAPE, Exchange
-from .slots import SlotStore, host
+from .slots import SlotStore
 
 __all__ = ["KVCache", "DecodeStats"]
 
@@ -237,7 +237,7 @@ class KVCache(SlotStore, Exchange):
             xp, m = self.runtime.backend.xp, self._ns
             k = xp.concatenate([self._sk[:, :, :m].transpose(0, 2, 1, 3), k], axis=1)
             v = xp.concatenate([self._sv[:, :, :m].transpose(0, 2, 1, 3), v], axis=1)
-            pos = np.concatenate([host(self._skpos[:m]).astype(np.int64), pos])
+            pos = np.concatenate([to_host(self._skpos[:m]).astype(np.int64), pos])
         return k, v, pos
 
     def release(self):
@@ -488,7 +488,7 @@ class KVCache(SlotStore, Exchange):
             if isinstance(parts, str):
                 self._undo(written)
                 if fp is not None:  # the slow path: host fingerprints, so the error names q, k or v
-                    sig += [(name, fingerprint(host(h[name]))) for name in ("q", "k", "v")]
+                    sig += [(name, fingerprint(to_host(h[name]))) for name in ("q", "k", "v")]
                 report(rt.comm, fn, error, sig)
             out, lse = self._merge(parts, T, Z)
         self._n, self._head = written[2], written[3]

@@ -16,14 +16,7 @@ from mpi4py import MPI
 from .._transfers import to_device, to_host
 from .._transport.watchdog import collective
 
-__all__ = ["SlotStore", "host"]
-
-
-def host(a):
-    """``a`` in host memory wherever it lives (a device array: one counted copy,
-    ``burstmpi._transfers``; a host one: itself). Off the decode's per-call path, except
-    where a call fails (the error names the argument that differs)."""
-    return to_host(a)
+__all__ = ["SlotStore"]
 
 
 class SlotStore:
@@ -82,8 +75,8 @@ class SlotStore:
         recv_counts = np.array([len(p) for p in src_pos])
         xp = rt.backend.xp
         idx = to_device(xp, rows)
-        kk = host(k[:, idx]).transpose(1, 0, 2, 3).reshape(len(rows), B * Zkv * d)
-        vv = host(v[:, idx]).transpose(1, 0, 2, 3).reshape(len(rows), B * Zkv * dv)
+        kk = to_host(k[:, idx]).transpose(1, 0, 2, 3).reshape(len(rows), B * Zkv * d)
+        vv = to_host(v[:, idx]).transpose(1, 0, 2, 3).reshape(len(rows), B * Zkv * dv)
         send = np.ascontiguousarray(np.concatenate([kk, vv], axis=1)).view(np.uint8)
         recv = np.empty((int(recv_counts.sum()), row), np.uint8)
         displ = lambda c: np.concatenate([[0], np.cumsum(c)[:-1]]) * row
