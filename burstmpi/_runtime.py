@@ -46,19 +46,6 @@ def kernel_ready(xp, a):
     return xp.array(a, copy=True, order="C")
 
 
-class _Into:
-    """``transfers.to_device``'s array module for a copy into an existing device buffer
-    (the staged transport receives into the ring's): ``asarray`` copies a host array into
-    ``buf`` (CuPy's ``ndarray.set``), and the copy is counted like any other."""
-
-    def __init__(self, buf):
-        self.buf = buf
-
-    def asarray(self, host):
-        self.buf.set(host)
-        return self.buf
-
-
 class Runtime:
     """The communicator, backend, transport and buffers of one or more plans.
 
@@ -258,7 +245,8 @@ class Runtime:
             transfers.to_host(buf, out)
 
         def to_dev(host, buf):
-            transfers.to_device(_Into(buf), host)
+            buf.set(host)
+            transfers.copied_to_device(host.nbytes)
             transfers.synchronize(stream())  # host buffer free for the next receive
 
         return StagedMPITransport(self.comm, to_host, to_dev,

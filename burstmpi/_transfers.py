@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["Transfers", "to_host", "to_device", "copied_to_host", "synchronize", "snapshot", "counting"]
+__all__ = ["Transfers", "to_host", "to_device", "copied_to_host", "copied_to_device", "waited", "synchronize", "snapshot", "counting"]
 
 
 @dataclass
@@ -79,9 +79,21 @@ def to_device(xp, a):
 
 
 def copied_to_host(nbytes):
-    """Count a copy to the host that another library made (torch's ``.cpu()``, JAX's
-    ``__array__``): burstmpi asked for it, so it is burstmpi's cost too."""
+    """Count a copy to the host made another way (torch's ``.cpu()``, JAX's ``__array__``):
+    burstmpi asked for it, so it is burstmpi's cost too."""
     _add(d2h=1, d2h_bytes=int(nbytes))
+
+
+def copied_to_device(nbytes):
+    """Count a copy to the device made another way (into an existing buffer: CuPy's
+    ``ndarray.set``)."""
+    _add(h2d=1, h2d_bytes=int(nbytes))
+
+
+def waited():
+    """Count a wait for the device that the caller makes itself (polling an event, with a
+    deadline, where ``synchronize`` would block without one)."""
+    _add(syncs=1)
 
 
 def synchronize(waitable):

@@ -21,7 +21,7 @@ import time
 from mpi4py import MPI
 
 from .._gpu.device import rank_prefix
-from .._transfers import synchronize
+from .._transfers import waited
 from .watchdog import DEFAULT_TIMEOUT, bcast, collective, expire
 
 __all__ = ["unique_id", "communicator", "NCCLTransport", "available", "choose_transport"]
@@ -103,16 +103,6 @@ class _Request:
 
     def __init__(self):
         self.event = None
-
-
-class _Polled:
-    """A wait that polls (``wait()``: it returns when done) as ``transfers.synchronize``
-    takes it: an object with ``synchronize()``."""
-
-    __slots__ = ("synchronize",)
-
-    def __init__(self, wait):
-        self.synchronize = wait
 
 
 class NCCLTransport:
@@ -224,9 +214,7 @@ class NCCLTransport:
         synchronisation (``burstmpi._transfers``)."""
         if self._last is None:
             return
-        synchronize(_Polled(self._wait_last))
-
-    def _wait_last(self):
+        waited()
         start = time.monotonic()
         while not self._last.done:
             self.nccl_comm.check_async_error()
