@@ -10,7 +10,7 @@ from .masks._layout import LAYOUTS, layout_of
 from . import _plan_cache as plan_cache
 from ._config import settings
 from ._plan_cache import release_cached
-from ._transport.comm import private_comm
+from ._transport.lifetime import private_comm
 from ._transport.watchdog import check_timeout, collective
 from ._validate import agree, check_cu_seqlens, fingerprint, global_layout
 

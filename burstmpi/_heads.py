@@ -22,7 +22,7 @@ import numpy as np
 from .masks import head_slice
 from ._transfers import to_device, to_host
 from ._transport.alltoall import HeadExchange
-from ._transport.comm import split_once
+from ._transport.lifetime import split_once
 from ._transport.nodes import Nodes
 from ._transport.watchdog import allgather
 

@@ -5,14 +5,12 @@ A plan made for every call would pay, every call, for what a plan keeps: node di
 the CPU backend's set-up (collectives), a cold workspace, new ring buffers. Here a call
 looks its plan up by
 
-* the communicator: the cache of each lives in an MPI attribute of it (the standard place
-  for a library's per-communicator state, as ``transport.comm.private_comm`` keeps its
-  duplicate there), so a communicator the user frees takes its plans with it (its delete
-  callback drops them, with no MPI call: its ring buffers in a shared window stay mapped
-  until ``MPI_Finalize``; ``release_cached(comm)`` before ``comm.Free()`` frees them), and a
-  new communicator that MPI gives the freed one's handle starts empty, never reusing a
-  stale plan; a freed communicator (``MPI.COMM_NULL``), or anything that is not an
-  intracommunicator, makes a plan for the call as before, which raises what it raises;
+* the communicator: the cache of each belongs to the state burstmpi keeps for it
+  (``_transport.lifetime``: an MPI attribute of the communicator), so a communicator the
+  user frees takes its plans with it, their buffers and its shared window freed in the
+  state's order, and a new communicator that MPI gives the freed one's handle starts empty,
+  never reusing a stale plan; a freed communicator (``MPI.COMM_NULL``), or anything that is
+  not an intracommunicator, makes a plan for the call as before, which raises what it raises;
 * every argument that shapes the plan: ``causal``, ``window``, ``softmax_scale``,
   ``layout``, ``bwd_comm``, the mask's type and ``digest()``, ``head_parallel``,
   ``topology``, ``timeout``, and the ``BURSTMPI_*`` settings in force (a plan reads them
@@ -30,9 +28,11 @@ arrays are freed (they stay cached; their next call allocates them again). The p
 call used is never evicted nor trimmed: alone, it may hold more (as a ``BurstAttention``
 would). Both bounds are module attributes, read at every call.
 
-Every rank must make the same choices: evicting a plan releases its buffers, collectively
-with the "shm" transport (a window every rank maps), and a plan evicted on one rank but not
-on another would make the next call's collectives differ. Eviction is therefore decided from
+Evicting a plan frees its own buffers, locally; the node's shared window (the "shm"
+transport) belongs to the communicator's state, which every plan on it uses, and stays:
+plans evicted and made again in turn map no window per call. Every rank must still make
+the same choices, as a plan evicted on one rank but not on another would make the next
+call's collectives differ (a plan made again runs its set-up collectives). Eviction is therefore decided from
 what every rank of the communicator sees alike: the order of its calls (collective, so the
 same everywhere), the keys, and ``buffer_bytes``, which every rank sizes alike (the ring's
 buffers hold the largest packet, the same for all, and a shared window is grown to one size
@@ -40,18 +40,17 @@ collectively); never from timing or from the working arrays, whose size follows 
 own number of tokens: those are only freed locally, which needs no agreement.
 """
 
-import atexit
 import collections
-import itertools
 from typing import NamedTuple
 
 from mpi4py import MPI
 
 from ._config import settings
 from ._plan import BurstAttention
+from ._transport import lifetime
 from ._validate import check_mask
 
-__all__ = ["MAX_PLANS", "MAX_BYTES", "CacheStats", "run", "release_cached", "stats", "cached_plans"]
+__all__ = ["MAX_PLANS", "MAX_BYTES", "CacheStats", "Released", "run", "release_cached", "stats", "cached_plans"]
 
 MAX_PLANS = 8          # plans kept per communicator
 MAX_BYTES = 1 << 30    # bytes of buffers and working arrays kept per communicator (see above)
@@ -61,9 +60,7 @@ MAX_BYTES = 1 << 30    # bytes of buffers and working arrays kept per communicat
 # would not hand out plans made with the old one.
 _FIXED = (("backend", "auto"), ("transport", "auto"), ("device", None))
 
-_KEYVAL = None
-_CACHES = {}  # serial -> _Cache, in the order the communicators were first used here
-_serial = itertools.count()
+Released = lifetime.Released
 
 
 class CacheStats(NamedTuple):
@@ -79,24 +76,30 @@ class CacheStats(NamedTuple):
 
 
 class _Cache:
-    """The plans of one communicator, least recently used first."""
+    """The plans of one communicator, least recently used first; attached to its state
+    (``lifetime.CommState.attach``), which tears it down first when the state goes."""
 
-    def __init__(self, comm):
-        # The communicator's handle, for the exit hook: valid while this cache is registered
-        # (freeing the communicator unregisters it). Not the object: no reference to keep it.
-        self.handle = comm.py2f()
+    def __init__(self, state):
+        self.state = state
         self.plans = collections.OrderedDict()
         self.hits = self.misses = self.evictions = 0
-        self.serial = next(_serial)
+
+    def _drop(self, plan, release):
+        """Forget ``plan``, its buffers freed (``release``: its own, not the shared window;
+        ``"all"``: the window too, collectively)."""
+        if release == "all":
+            plan.release()
+        elif release:
+            plan.runtime.release(window=False)
 
     def evict_oldest(self, keep=None):
-        """``release()`` and drop the least recently used plan other than ``keep``
-        (collective with the "shm" transport, as every rank evicts the same)."""
+        """Drop the least recently used plan other than ``keep``, its own buffers freed
+        (local: the shared window stays, the state's)."""
         for key, plan in self.plans.items():
             if plan is not keep:
                 del self.plans[key]
                 self.evictions += 1
-                plan.release()
+                self._drop(plan, True)
                 return True
         return False
 
@@ -125,15 +128,16 @@ class _Cache:
                 plan.backend.release()  # local: the working arrays and pooled results only
                 over -= held
 
-    def clear(self, release):
-        """Drop every plan (``release``: free their buffers first, collectively) and reset
-        the counts."""
+    def teardown(self, collective):
+        """Drop every plan (``collective``: their buffers and the shared window freed, every
+        rank alike) and reset the counts: the state goes, or ``release_cached``. Returns
+        how many plans were dropped."""
         plans = list(self.plans.values())
         self.plans.clear()
         self.hits = self.misses = self.evictions = 0
-        if release:
-            for plan in plans:
-                plan.release()
+        for plan in plans:
+            self._drop(plan, "all" if collective else False)
+        return len(plans)
 
 
 def _ring_bytes(plans):
@@ -154,29 +158,12 @@ def _held(plan):
     return int(getattr(plan.backend, "held_bytes", 0) or 0)
 
 
-def _forget(comm, keyval, cache):
-    """MPI's delete callback of the attribute: the communicator is being freed (or
-    ``MPI_Finalize`` deletes it). No MPI call here: drop the plans."""
-    try:
-        cache.plans.clear()
-        _CACHES.pop(cache.serial, None)
-    except Exception:  # pragma: no cover - an exception must not escape into MPI
-        pass
-
-
 def _cache_of(comm, create=True):
     """The cache of ``comm`` (made with ``create``), or None where ``comm`` cannot hold one."""
-    global _KEYVAL
-    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+    state = lifetime.state_of(comm, create)
+    if state is None:
         return None
-    if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_forget)
-    cache = comm.Get_attr(_KEYVAL)
-    if cache is None and create:
-        cache = _Cache(comm)
-        comm.Set_attr(_KEYVAL, cache)
-        _CACHES[cache.serial] = cache
-    return cache
+    return state.attach("plans", lambda: _Cache(state)) if create else state.attached("plans")
 
 
 def _environment():
@@ -222,6 +209,8 @@ def run(caller, comm, options, call):
     made = plan is None
     if made:
         plan = BurstAttention(comm, **options)  # wrong arguments raise here, on every rank
+    if made and cache is not None:
+        cache.state.independent(plan.runtime)  # the cache's own: not a plan the caller holds
     plan.caller = caller  # a plan may serve attention and attention_backward
     result = call(plan)
     if key is not None:
@@ -237,28 +226,36 @@ def run(caller, comm, options, call):
 
 def _selected(comm):
     if comm is None:
-        return list(_CACHES.values())
+        return [c for c in (s.attached("plans") for s in lifetime.states()) if c is not None]
     cache = _cache_of(comm, create=False)
     return [] if cache is None else [cache]
 
 
 def release_cached(comm=None):
-    """Free the plans that ``burstmpi.attention`` and ``burstmpi.attention_backward`` keep:
-    those on ``comm``, or with None those on every communicator, in the order they were first
-    used. Their ring buffers and the CPU backend's working arrays are freed and the plans
-    dropped: the next call makes a plan again (its first call is collective set-up).
+    """Free what burstmpi keeps for ``comm``, or with None for every communicator it was
+    used on, in the order they were first used; returns what went (``Released``: plans,
+    communicators, windows, NCCL communicators, and ``kept``: what stayed, and why).
 
-    Collective over each communicator that has cached plans, as ``BurstAttention.release``
-    (with the "shm" transport it frees a window every rank maps): call it on every rank of
-    ``comm``; with None, where every rank has used its communicators in the same order (else
-    pass each communicator). Arrays the calls returned stay valid: they are the caller's.
+    The functional API's plans (``attention``, ``attention_backward``, the adapters) are
+    dropped, their ring buffers, the CPU backend's working arrays and the communicator's
+    shared window freed: the next call makes a plan again (its first call is collective
+    set-up). Where no plan that the caller made on the communicator (a ``BurstAttention``
+    or ``KVCache``) is alive on any rank, burstmpi's own communicators for it (its private
+    duplicate, splits, NCCL communicators) are freed too; else they stay, and ``kept`` says
+    so. Freeing the communicator itself (``comm.Free()``) frees all of it in any case.
 
-    The cache keeps at most 8 plans per communicator and about 1 GiB of their buffers and
-    working arrays (``burstmpi._plan_cache``); at exit its plans are dropped without any MPI
-    call. Call this before freeing a communicator that calls used, to free its shared window.
+    Collective over each communicator, as ``BurstAttention.release``: call it on every rank
+    of ``comm``; with None, where every rank has used its communicators in the same order
+    (else pass each communicator). Arrays the calls returned stay valid: they are the
+    caller's. The cache keeps at most 8 plans per communicator and about 1 GiB of their
+    buffers and working arrays (``burstmpi._plan_cache``); at exit its plans are dropped
+    without any MPI call (``_transport.lifetime``).
     """
-    for cache in _selected(comm):
-        cache.clear(release=True)
+    if comm is not None:
+        return lifetime.release(comm, settings().timeout)
+    done = [r for _, r in lifetime.release_all(settings().timeout)]
+    return Released(*(sum(getattr(r, f) for r in done) for f in Released._fields[:-1]),
+                    "; ".join(r.kept for r in done if r.kept))
 
 
 def stats(comm=None):
@@ -272,27 +269,3 @@ def stats(comm=None):
 def cached_plans(comm=None):
     """The cached plans of ``comm`` (or of every communicator), least recently used first."""
     return [p for c in _selected(comm) for p in c.plans.values()]
-
-
-@atexit.register
-def _at_exit():
-    """Drop the cached plans, with no collective call.
-
-    Ranks reach their exit at different times (one may leave on an exception while the
-    others still compute, or simply finish its part sooner), so a collective here (freeing a
-    shared window) could wait forever for a rank that never comes, or meet one that has
-    already finalized. mpi4py finalizes MPI after Python's exit handlers (this module is
-    imported after it, and its handler runs after these), so the MPI objects are still valid
-    here: the attributes are deleted (a local call: the delete callbacks then do not run
-    later, inside ``MPI_Finalize``) and the plans dropped, so their host memory goes now, in
-    a known order, not during the interpreter's teardown. A shared window left mapped is
-    freed by ``MPI_Finalize`` or the process's end (its file in /dev/shm is already
-    unlinked: ``transport.shm``)."""
-    for cache in list(_CACHES.values()):
-        cache.plans.clear()
-        try:
-            if _KEYVAL is not None and not MPI.Is_finalized():
-                MPI.Comm.f2py(cache.handle).Delete_attr(_KEYVAL)
-        except Exception:  # pragma: no cover - nothing at exit may raise
-            pass
-    _CACHES.clear()

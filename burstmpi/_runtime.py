@@ -25,14 +25,14 @@ from ._gpu.device import check_capability, import_cupy, node_rank, pick_device
 from ._interop import cupyx_pinned, is_host, to_device, to_host
 from ._ring import flat as ring
 from ._transport import watchdog
-from ._transport.comm import private_comm
+from ._transport.lifetime import state_of
 from ._transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 from ._transport.nodes import nodes
 from ._transport.shm import NoRoom, transport_for, unlink_node_segments
 from ._transport.slowlinks import SlowLinksTransport, refuse_device_arrays
 from ._validate import agree
 
-__all__ = ["Runtime", "kernel_ready"]
+__all__ = ["Runtime", "kernel_ready", "check_thread"]
 
 BACKENDS = ("auto", "cpu", "cuda", "numpy")  # "numpy": the CPU backend's old name (a warning)
 TRANSPORTS = ("auto", "nccl", "mpi", "shm")
@@ -80,12 +80,18 @@ class Runtime:
         self.user_comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(self.user_comm, MPI.Intracomm):
             raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
+        if self.user_comm == MPI.COMM_NULL:
+            raise ValueError(f"{fn}: comm: expected a live intracommunicator, got MPI.COMM_NULL (a freed one?)")
+        check_thread(fn)
         self.settings = cfg
         # Every wait on other ranks ends within this many seconds (``transport.watchdog``).
         self.timeout = cfg.timeout
         if MPI.COMM_WORLD.Get_size() > 1:
             watchdog.install_excepthook()  # one rank's uncaught exception ends the job, not a hang
-        self.comm = private_comm(self.user_comm, self.timeout)
+        # What burstmpi keeps for the caller's communicator, freed with it (``lifetime``).
+        self.state = state_of(self.user_comm)
+        self.comm = self.state.private(self.timeout)
+        self.state.depend(self)
         self.rank, self.nranks = self.comm.Get_rank(), self.comm.Get_size()
         self.transport_name = "given" if made else transport
         self.device_arg = device
@@ -117,6 +123,8 @@ class Runtime:
         """Be ready to run on ``kind`` (collective when that changes: a first call, or a
         switch between host and GPU). ``options`` are the plan's (name, value) pairs, agreed
         on before the GPU set-up's collectives so a rank that disagrees raises, not hangs."""
+        self.state.check(fn)  # the caller freed the communicator: the same error on every rank
+        check_thread(fn)
         watchdog.entering(fn)
         # Plans on one communicator share its shared-window transport: each call waits
         # with its own plan's deadline.
@@ -348,17 +356,49 @@ class Runtime:
         self.transport.finish()
         watchdog.leaving()
 
-    def release(self):
+    def release(self, window=True):
         """Free the ring buffers and the CPU backend's working arrays (they are allocated
-        again on the next call)."""
+        again on the next call). ``window``: the communicator's shared window too
+        (collective; every plan on the communicator maps it); the plan cache's eviction
+        keeps it, as the next plan would map it again."""
         self._channels.clear()
         self._arena = None
-        window = getattr(self.transport, "free", None)  # collective (a shared window)
-        if window is not None:
+        free = getattr(self.transport, "free", None)  # collective (a shared window)
+        if window and free is not None and self.state.freed is None:
             with watchdog.guard("the release of the ring buffers' shared window (collective)", self.timeout):
-                window()
+                free()
         for kept in self._owned.values():  # their communicators stay: remaking them is collective
             kept.release()
         free = getattr(self.backend, "release", None)
         if free is not None:
             free()
+
+    def comm_freed(self, reason):
+        """The caller's communicator went (``lifetime.CommState.teardown``): drop the views
+        of its freed buffers and what was made over its communicators; a later call raises
+        (``begin``)."""
+        self._channels.clear()
+        self._arena = None
+        self._owned.clear()
+        free = getattr(self.backend, "release", None)  # host memory only: local
+        if free is not None:
+            free()
+
+
+def check_thread(fn):
+    """Refuse a call from a thread MPI does not allow to call it: below
+    ``MPI_THREAD_MULTIPLE`` only the thread that initialised MPI may (``FUNNELED``; at
+    ``SERIALIZED`` any one at a time, which burstmpi cannot promise beside the caller's own
+    threads). Local: a collective from this thread is what would be wrong."""
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE and not MPI.Is_thread_main():
+        import threading
+
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                 MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+        raise RuntimeError(
+            f"{fn}: called from thread {threading.current_thread().name!r}, not the one that initialised MPI, "
+            f"at {names.get(level, level)}: expected MPI_THREAD_MULTIPLE for calls from other threads (set "
+            "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI, or MPI4PY_RC_THREAD_LEVEL=multiple; "
+            "mpi4py's default), or call burstmpi from the main thread")
+

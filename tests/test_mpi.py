@@ -25,7 +25,7 @@ SUITE = ["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "a
          "api/test_layout_required.py", "api/test_timeout_keyword.py", "api/test_plan_cache.py",
          "ring/test_call_context.py", "ring/test_twoway.py", "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py",
          "ring/test_auto_rate.py", "gpu/test_capability.py",
-         "ring/test_twolevel.py", "masks/test_masks.py", "transport/test_shm.py",
+         "ring/test_twolevel.py", "masks/test_masks.py", "transport/test_shm.py", "transport/test_lifetime.py",
          "backends/test_kernel_backend.py", "backends/test_cpu_kernels.py", "backends/test_cpu_packed.py",
          "backends/test_tile_runs.py",
          "backends/test_workspace.py", "gpu/test_gpu_runtime.py", "gpu/test_host_transfers.py",
@@ -45,7 +45,8 @@ AT_8 = (["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "a
          "api/test_plan_cache.py", "ring/test_call_context.py", "ring/test_twoway.py",
          "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py", "ring/test_twolevel.py",
          "ring/test_auto_rate.py",
-         "masks/test_masks.py", "transport/test_shm.py", "decode/test_decode.py", "backends/test_cpu_packed.py"],
+         "masks/test_masks.py", "transport/test_shm.py", "transport/test_lifetime.py", "decode/test_decode.py",
+         "backends/test_cpu_packed.py"],
         "not emulated and not bitmap")
 SELECT = {8: AT_8}
 # What needs the optional packages under mpiexec (the framework adapters' gradient checks

@@ -52,7 +52,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._transport.comm import Channel, split_once
+from .._transport.comm import Channel
+from .._transport.lifetime import split_once
 from .._transport.nodes import Nodes
 from .._transport.slowlinks import SlowLinksTransport, refuse_device_arrays
 from .flat import (Timer, cut_runs, finish_forward, fwd_pieces, grouped_rows, key_operands, load_packet, nbytes,

@@ -1,4 +1,4 @@
-"""Ring communication: a private communicator, packets, and double-buffered channels.
+"""Ring communication: packets, and double-buffered channels.
 
 A ``Channel`` owns two copies of one packet (several named tensors packed into one
 contiguous buffer, so a ring step is a single message) and has an explicit
@@ -20,9 +20,8 @@ A channel moves its buffers through a transport (``mpi``, ``shm``, ``nccl``).
 import numpy as np
 from mpi4py import MPI
 
-from .watchdog import DEFAULT_TIMEOUT, guard
 
-__all__ = ["private_comm", "split_once", "Channel", "PartialChannel", "field_bytes", "Packet", "packed_fields",
+__all__ = ["Channel", "PartialChannel", "field_bytes", "Packet", "packed_fields",
            "rows_bytes"]
 
 # A partial going home travels on its own tag, so that it can never pair with a receive
@@ -33,47 +32,6 @@ HOME_TAG_OFFSET = 500
 # Every field of a packet starts on a 16-byte boundary: the CUDA kernels copy rows with
 # 16-byte cp.async, and views into one buffer keep the alignment only if each field does.
 FIELD_ALIGN = 16
-
-_KEYVAL = None
-
-
-def private_comm(comm, timeout=DEFAULT_TIMEOUT):
-    """Return burstmpi's duplicate of ``comm``, created once and cached on it.
-
-    Library traffic on a duplicate can never match the caller's own messages. The
-    duplicate is cached as an MPI attribute of the caller's communicator (the standard
-    way for a library to keep per-communicator state), so it lives exactly as long as
-    that communicator. Collective on the first call for a communicator (within ``timeout``
-    seconds: ``watchdog.guard``).
-    """
-    global _KEYVAL
-    if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval()
-    dup = comm.Get_attr(_KEYVAL)
-    if dup is None:
-        with guard("MPI_Comm_dup of the caller's communicator (a rank did not make its first burstmpi call?)",
-                   timeout):
-            dup = comm.Dup()
-        comm.Set_attr(_KEYVAL, dup)
-    return dup
-
-
-_SPLITS = {}  # (communicator handle, purpose) -> the communicators split from it for it
-
-
-def split_once(comm, purpose, colors, timeout=DEFAULT_TIMEOUT):
-    """``comm.Split(color, key)`` for each (color, key) of ``colors``, made once per
-    communicator and ``purpose`` (a hashable naming the grouping: the same on every rank)
-    and kept for the life of the process. ``burstmpi.attention`` makes a plan per call, so
-    plans must share their sub-communicators rather than each split its own: MPI has a few
-    thousand. Collective on the first call for a (communicator, purpose)."""
-    key = (comm.py2f(), purpose)
-    split = _SPLITS.get(key)
-    if split is None:
-        with guard(f"MPI_Comm_split for {purpose}", timeout):
-            split = _SPLITS[key] = tuple(comm.Split(color, k) for color, k in colors)
-    return split
-
 
 def field_bytes(shape, dtype):
     """Bytes one packet field takes, padded to the next field's 16-byte boundary."""

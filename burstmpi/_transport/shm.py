@@ -30,9 +30,12 @@ last step, so the sender copies it into the owner's home buffer and moves on.
 
 Every plan on one communicator shares its transport (``transport_for``) and so one window,
 grown to the largest phase any of them ran: plans made per call (``burstmpi.attention``)
-neither allocate a window each nor leave one behind. Freeing it is collective, so
-``Runtime.release`` is too when this transport is in use (every rank calls it, as every
-rank makes the calls); the next phase of any plan allocates a new one.
+neither allocate a window each nor leave one behind. The window belongs to the state of
+the caller's communicator (``lifetime``): it goes when the caller frees that communicator,
+or when a plan is released (``BurstAttention.release``, ``burstmpi.release_cached``),
+never when the plan cache evicts a plan. Freeing it is collective, so those calls are too
+(every rank makes them, as every rank makes the calls); the next phase of any plan
+allocates a new one.
 """
 
 import os
@@ -43,6 +46,7 @@ from mpi4py import MPI
 from .comm import (HOME_TAG_OFFSET, Channel, Counted, Packet, PartialChannel, check_rows, check_send_rows,
                    packed_fields, rows_bytes)
 from .mpi import MPITransport
+from .lifetime import count, resource
 from .watchdog import allgather
 
 __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes",
@@ -51,8 +55,6 @@ __all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transpo
 # A partial's acknowledgement travels back on its own tag: with two ranks the neighbour
 # the partials come from is the one they go to.
 ACK_TAG_OFFSET = 1000
-
-_KEYVAL = None
 
 # Where MPICH and Open MPI put shared windows on Linux. A tmpfs: a window larger than its
 # free space maps without error and then dies of SIGBUS on the first page past it (Docker
@@ -99,15 +101,17 @@ class NoRoom(RuntimeError):
 
 def transport_for(comm):
     """The ``ShmTransport`` of ``comm`` (burstmpi's private communicator), created on first
-    use and kept as an attribute of the communicator, as ``comm.private_comm`` keeps it."""
-    global _KEYVAL
-    if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval()
-    transport = comm.Get_attr(_KEYVAL)
-    if transport is None:
-        transport = ShmTransport(comm)
-        comm.Set_attr(_KEYVAL, transport)
-    return transport
+    use and kept by the state of the caller's communicator (``lifetime``): its window is
+    freed when the caller frees that communicator, not when a plan goes."""
+    return resource(comm, ("shm",), lambda: ShmTransport(comm), _free_transport)
+
+
+def _free_transport(transport, collective):
+    """The state's teardown: free the window (collective), or at exit only forget it."""
+    if collective:
+        transport.free()
+    else:
+        transport.forget()
 
 
 class ShmTransport(MPITransport):
@@ -162,6 +166,7 @@ class ShmTransport(MPITransport):
         finally:
             info.Free()
         win.Lock_all(MPI.MODE_NOCHECK)
+        count("windows")
         arenas = []
         for r in range(self.comm.Get_size()):
             buf, _ = win.Shared_query(r)
@@ -217,6 +222,14 @@ class ShmTransport(MPITransport):
             self._win.Unlock_all()
             self._win.Free()
             self._win = None
+            count("windows", -1)
+
+    def forget(self):
+        """Drop the window without freeing it (at exit: ``MPI_Finalize`` or the process's
+        end frees it; a free is collective, and ranks exit at different times)."""
+        if self._win is not None:
+            self._arenas = self._win = self._fence = None
+            count("windows", -1)
 
 
 class ShmChannel(Channel):

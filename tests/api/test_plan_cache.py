@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import burstmpi
 from burstmpi import _plan_cache as plan_cache, _runtime as runtime
+from burstmpi._transport import lifetime
 from burstmpi import reference as ref
 from burstmpi.masks import Sinks
 
@@ -265,15 +266,16 @@ def test_a_freed_communicator_takes_its_plans_along():
 
 
 def test_the_exit_hook_makes_no_collective_call():
-    """Rank 0 alone runs the exit hook: were it collective, rank 0 would wait there."""
+    """Rank 0 alone runs the exit hook's teardown (``lifetime._local_teardown``): were it
+    collective, rank 0 would wait there."""
     q, k, v, _ = _problem()
     burstmpi.attention(q, k, v, **OPTS)
     if RANK == 0:
-        plan_cache._at_exit()
+        lifetime._local_teardown("a test's exit")
         assert plan_cache.stats().plans == 0
     COMM.Barrier()
     if RANK != 0:
-        plan_cache._at_exit()  # every rank's cache alike again
+        lifetime._local_teardown("a test's exit")  # every rank's cache alike again
     out = burstmpi.attention(q, k, v, **OPTS)  # a new cache and plan, on every rank
     assert plan_cache.stats(COMM).plans == 1
     np.testing.assert_array_equal(out, burstmpi.BurstAttention(**OPTS).forward(q, k, v)[0])

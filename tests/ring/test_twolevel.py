@@ -333,7 +333,7 @@ def test_two_level_with_ranks_holding_no_token(per_node):
 def test_calls_reuse_the_rings(per_node):
     """A plan's calls keep its buffers and give the same bits, and plans made call after
     call (the functional API makes one each) share their communicators: nothing grows."""
-    from burstmpi._transport import comm as tcomm
+    from burstmpi._transport import lifetime
 
     per_node((SPREAD or SIZES)[0])
     q, k, v, do = ref.random_problem(1, 6 * NRANKS, 2, 2, 8, seed=4)
@@ -344,7 +344,7 @@ def test_calls_reuse_the_rings(per_node):
         out, lse = plan.forward(sh(q), sh(k), sh(v))
         grads = plan.backward(sh(do), sh(q), sh(k), sh(v), out, lse)
         burstmpi.attention(sh(q), sh(k), sh(v), topology="two-level")
-        sizes.append((plan.buffer_bytes, len(tcomm._SPLITS)))
+        sizes.append((plan.buffer_bytes, lifetime.live()["communicators"]))
         results.append([np.array(x, copy=True) for x in (out, lse, *grads)])
     assert sizes[0] == sizes[1] == sizes[2]
     assert all(np.array_equal(a, b) for r in results[1:] for a, b in zip(results[0], r))  # bitwise

@@ -10,7 +10,7 @@ import pytest
 
 import burstmpi
 from burstmpi import reference as ref
-from burstmpi._transport.comm import private_comm
+from burstmpi._transport.lifetime import private_comm
 from burstmpi._transport.mpi import MPITransport
 from burstmpi.masks import Chunked, Sinks, Window
 from burstmpi._transport.shm import ShmChannel, ShmTransport, transport_for
