@@ -186,10 +186,11 @@ class HeadParallel:
         temporaries)."""
         return 0 if not self._plans else self._last.runtime.buffer_bytes
 
-    def release(self):
-        """Free the ring's buffers (the communicators and plans stay)."""
+    def release(self, window=True):
+        """Free the ring's buffers (the communicators and plans stay); ``window``: its
+        shared window too (``Runtime.release``)."""
         if self._plans:
-            self._last.runtime.release()
+            self._last.runtime.release(window)
 
     @staticmethod
     def _stats(st, ex):

@@ -349,9 +349,9 @@ class BurstAttention:
     def _finish(self, call):
         """End of a phase: every transport that runs asynchronously (NCCL) checks that its
         transfers completed, with a timeout (``Runtime.finish``), the two-level rings' too."""
-        self.runtime.finish()
-        if call.rings is not None:
+        if call.rings is not None:  # first: the runtime's ends the call (``watchdog.leaving``)
             call.rings.finish()
+        self.runtime.finish()
 
     def _ring_topology(self, kind, dims=None, dtype=None, seqlen=None):
         """The ring this call runs: "two-level" or "flat". ``topology``'s "auto" is flat unless

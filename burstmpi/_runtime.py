@@ -154,7 +154,7 @@ class Runtime:
             if self.backend is not None:  # back from the GPU: host buffers, the host transport
                 self.release()
                 self.transport = self._default if self._host is None else self._host
-            with watchdog.guard(f"{fn}: the set-up of the CPU backend (its cores and transport)", self.timeout):
+            with watchdog.guard("the set-up of the CPU backend (its cores and transport)", self.timeout):
                 masks, _ = node_masks(self.comm)  # collective
                 if self.transport is self._default:
                     self.transport = self._waiting(self._host_transport(fn, one_node=len(masks) == self.nranks))
@@ -218,7 +218,7 @@ class Runtime:
         except (NotImplementedError, RuntimeError) as e:
             error = e
         agree(self.comm, fn, error, [], timeout=self.timeout)
-        with watchdog.guard(f"{fn}: the GPU set-up (which ranks share a node)", self.timeout):
+        with watchdog.guard("the GPU set-up (which ranks share a node)", self.timeout):
             local = node_rank(self.comm)
         error, dev = None, None
         try:
@@ -230,7 +230,7 @@ class Runtime:
         agree(self.comm, fn, error, [], timeout=self.timeout)
         self.release()
         self.backend = CupyBackend(cupy, dev)
-        with watchdog.guard(f"{fn}: the GPU transport's set-up (NCCL's bootstrap)", self.timeout):
+        with watchdog.guard("the GPU transport's set-up (NCCL's bootstrap)", self.timeout):
             self.transport = self._waiting(self._gpu_transport(fn, cupy, dev))
 
     def _gpu_transport(self, fn, cupy, dev):
@@ -368,7 +368,7 @@ class Runtime:
             with watchdog.guard("the release of the ring buffers' shared window (collective)", self.timeout):
                 free()
         for kept in self._owned.values():  # their communicators stay: remaking them is collective
-            kept.release()
+            kept.release(window)
         free = getattr(self.backend, "release", None)
         if free is not None:
             free()

@@ -106,9 +106,10 @@ class Rings:
         self.t_inner.finish()
         self.t_outer.finish()
 
-    def release(self):
+    def release(self, window=True):
         """Drop the buffers (made again by the next call); the communicators and transports
-        stay, since remaking them is collective."""
+        stay, since remaking them is collective. Its buffers are its own: ``window`` is
+        the runtime's argument, nothing to do here."""
         self._kept, self.nbytes = {}, 0
 
     @property

@@ -35,22 +35,45 @@ array would slip past this fake, and real CuPy would raise on it.
 ``DeviceArray.__module__`` starts with "cupy" so that ``_interop.like`` takes it for a CuPy
 array (it asks the array's module).
 
-NCCL: :class:`FakeNccl` (the ``nccl`` module's group calls and constants) and
-:class:`FakeNcclComm` (a communicator: ``send``/``recv`` queued in a group and run over
-MPI on a communicator of their own when the group closes, ``allGather`` at once), which
-read and write device memory through its addresses, never through a host copy. Streams
-and events are already complete when asked (the emulated kernels run synchronously).
+NCCL: :class:`FakeNccl` (the ``nccl`` module's group calls, unique id, communicator
+constructor and constants) and :class:`FakeNcclComm` (a communicator: ``send``/``recv``
+queued in a group and run over MPI on a communicator of their own when the group closes,
+``allGather`` at once), which read and write device memory through its addresses, never
+through a host copy. burstmpi makes its communicators as with CuPy's NCCL
+(``nccl.communicator``: the unique id's broadcast, the set-up under the deadline, kept by
+``lifetime``). Streams and events are already complete when asked (the emulated kernels
+run synchronously).
+
+A peer that stops answering (:func:`stop_peer`), for the deadline tests
+(tests/gpu/test_nccl_deadline.py): one rank stops (SIGSTOP: a frozen host, which prints
+and answers nothing until the launcher kills it) at its n-th NCCL set-up or group of
+transfers, and the other ranks see what NCCL would show them:
+
+- a set-up it never joins, or a first transfer with it (NCCL connects then): their
+  ``NcclCommunicator`` or ``groupEnd`` blocks forever in an MPI call, which releases the
+  GIL as CuPy's NCCL calls do (``with nogil``), so the watchdog's thread can end the job;
+- a transfer once connected: ``groupEnd`` returns (NCCL only queues the work) and the
+  transfer never completes: the events recorded on its stream afterwards are never done,
+  so only ``NCCLTransport.finish``'s polled deadline can see it.
+
+The others know when the stopped rank stopped by counting alike: every rank's k-th group
+of transfers pairs with its neighbours' k-th (as NCCL needs of the ring's groups).
 """
 
 import ctypes
+import os
+import signal
+import sys
+import time
 import types
+from collections import Counter
 
 import numpy as np
 from mpi4py import MPI
 
 from burstmpi._transfers import Transfers
 
-__all__ = ["COUNTS", "DeviceArray", "FakeCupy", "FakeNccl", "FakeNcclComm", "install", "reset"]
+__all__ = ["COUNTS", "DeviceArray", "FakeCupy", "FakeNccl", "FakeNcclComm", "install", "reset", "stop_peer"]
 
 COUNTS = Transfers()
 # Where each counted copy and wait came from, while ``TRACE`` is true: (kind, bytes, the
@@ -294,15 +317,21 @@ def _like(name):
 # -- streams, events, devices ------------------------------------------------------------------
 
 class Event:
-    """Complete as soon as recorded (the emulated kernels run synchronously)."""
+    """Complete as soon as recorded (the emulated kernels run synchronously), unless
+    recorded on a stream whose transfers never complete (``never``: a stopped peer's)."""
+
+    def __init__(self, *args, never=False, **kwargs):
+        self.never = never
 
     @property
     def done(self):
         _sync()  # the host asks whether the device got here: a wait where it is not
-        return True
+        return not self.never
 
     def synchronize(self):
         _sync()
+        if self.never:  # as cudaEventSynchronize would: forever, the GIL released
+            _forever()
 
     def record(self, stream=None):
         pass
@@ -316,7 +345,10 @@ class Stream:
         Stream._next += 1
 
     def record(self, event=None):
-        return Event() if event is None else event
+        if event is None:
+            return Event(never=self.ptr in _STALLED)
+        event.never = self.ptr in _STALLED
+        return event
 
     def wait_event(self, event):
         pass
@@ -416,12 +448,70 @@ FakeCupy = _FakeCupy()
 
 # -- NCCL -------------------------------------------------------------------------------------
 
+STOP = None          # (world rank, "init" or "group", n): the rank that stops, where (``stop_peer``)
+_REACHED = Counter()  # this process's NCCL set-ups and groups of transfers so far
+_CONNECTED = set()    # (id of a FakeNcclComm, peer): connected by a first transfer
+_STALLED = set()      # pointers of streams whose transfers never complete
+
+
+def stop_peer(rank, at, n):
+    """From now on, world rank ``rank`` stops answering at its ``n``-th ``at`` ("init":
+    an NCCL communicator's set-up over 2+ ranks; "group": a group of transfers), and the
+    other ranks see it as NCCL would (the module docstring). Call it on every rank alike."""
+    global STOP
+    if at not in ("init", "group") or n < 1:
+        raise ValueError(f"stop_peer: expected at 'init' or 'group' and n >= 1, got {at!r}, {n!r}")
+    STOP = (int(rank), at, int(n))
+    _REACHED.clear()
+
+
+def _forever():
+    """Block for good with the GIL released, as an NCCL call waiting on a dead peer."""
+    import threading
+
+    threading.Event().wait()
+
+
+def _reach(at):
+    """Count this process's ``at`` ("init" or "group"); the stopping rank stops at its n-th.
+    Returns the count."""
+    _REACHED[at] += 1
+    k = _REACHED[at]
+    if STOP is not None and STOP[0] == MPI.COMM_WORLD.Get_rank() and STOP[1:] == (at, k):
+        # The wall-clock time lets a test measure how long the job outlives its peer.
+        sys.stderr.write(f"fake NCCL: rank {STOP[0]} stops answering (SIGSTOP) at its {at} #{k} at "
+                         f"{time.time():.3f}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return k
+
+
+def _world(comm, peer):
+    return MPI.Group.Translate_ranks(comm.Get_group(), [peer], MPI.COMM_WORLD.Get_group())[0]
+
+
 class FakeNccl:
-    """The ``cupy.cuda.nccl`` names ``NCCLTransport`` uses: a group collects the
-    communicators' sends and receives, run together when it closes."""
+    """The ``cupy.cuda.nccl`` names burstmpi uses: a group collects the communicators'
+    sends and receives, run together when it closes; ``NcclCommunicator`` makes a
+    :class:`FakeNcclComm` over the MPI communicator whose NCCL set-up is in progress
+    (``bootstrap``: set by ``install``'s ``communicator``, as NCCL's bootstrap reaches the
+    ranks that got the unique id)."""
 
     NCCL_UINT8 = 7
     _open = None
+    bootstrap = None
+
+    @staticmethod
+    def get_unique_id():
+        return bytes(range(128))
+
+    @classmethod
+    def NcclCommunicator(cls, ndev, uid, rank):
+        comm = cls.bootstrap
+        if comm is None or (comm.Get_size(), comm.Get_rank()) != (ndev, rank) or len(uid) != 128:
+            raise RuntimeError(f"fake NCCL: NcclCommunicator({ndev}, <{len(uid)} bytes>, {rank}) outside "
+                               "nccl.communicator's set-up (install the fake with install())")
+        return FakeNcclComm(comm)
 
     @classmethod
     def groupStart(cls):
@@ -432,8 +522,22 @@ class FakeNccl:
     @classmethod
     def groupEnd(cls):
         ops, cls._open = cls._open, None
-        reqs = [op() for op in ops]
-        MPI.Request.Waitall([r for r in reqs if r is not None])
+        if not ops:
+            return
+        k = _reach("group")
+        posted, lost = [], []
+        for comm, peer, stream, post in ops:
+            # Once connected to a peer that stopped, NCCL only queues the transfer: it
+            # never completes, and nothing on the host blocks (``finish`` must see it).
+            stopped = STOP is not None and STOP[1] == "group" and k >= STOP[2] \
+                and _world(comm.mpi, peer) == STOP[0] and (id(comm), peer) in _CONNECTED
+            (lost if stopped else posted).append((comm, peer, stream, post))
+        for _, _, stream, _ in lost:
+            _STALLED.add(stream)
+        # A first transfer with a peer that never comes blocks here, in MPI_Waitall
+        # (mpi4py releases the GIL, as CuPy does around ncclGroupEnd).
+        MPI.Request.Waitall([r for r in (post() for *_, post in posted) if r is not None])
+        _CONNECTED.update((id(comm), peer) for comm, peer, _, _ in posted)
 
 
 def _memory(ptr, nbytes):
@@ -443,28 +547,33 @@ def _memory(ptr, nbytes):
 
 class FakeNcclComm:
     """An NCCL communicator over ``comm`` (an MPI communicator: a duplicate of its own,
-    so its messages never match burstmpi's). Transfers move device memory directly."""
+    so its messages never match burstmpi's). Transfers move device memory directly. Its
+    set-up is collective over ``comm``, as NCCL's (blocking in MPI_Comm_dup for a rank
+    that never comes, the GIL released)."""
 
     TAG = 7
 
     def __init__(self, comm):
+        if comm.Get_size() > 1:
+            _reach("init")
         self.mpi = comm.Dup()
 
-    def _queued(self, post):
+    def _queued(self, peer, stream, post):
+        op = (self, peer, stream, post)
         if FakeNccl._open is None:
             FakeNccl.groupStart()
-            FakeNccl._open.append(post)
+            FakeNccl._open.append(op)
             FakeNccl.groupEnd()
         else:
-            FakeNccl._open.append(post)
+            FakeNccl._open.append(op)
 
     def send(self, ptr, nbytes, dtype, peer, stream):
-        self._queued(lambda: self.mpi.Isend([_memory(ptr, nbytes), MPI.BYTE], dest=peer, tag=self.TAG)
+        self._queued(peer, stream, lambda: self.mpi.Isend([_memory(ptr, nbytes), MPI.BYTE], dest=peer, tag=self.TAG)
                      if nbytes else None)
 
     def recv(self, ptr, nbytes, dtype, peer, stream):
-        self._queued(lambda: self.mpi.Irecv([_memory(ptr, nbytes), MPI.BYTE], source=peer, tag=self.TAG)
-                     if nbytes else None)
+        self._queued(peer, stream, lambda: self.mpi.Irecv([_memory(ptr, nbytes), MPI.BYTE], source=peer,
+                                                          tag=self.TAG) if nbytes else None)
 
     def allGather(self, send, recv, nbytes, dtype, stream):
         self.mpi.Allgather([_memory(send, nbytes), MPI.BYTE],
@@ -498,13 +607,23 @@ def install(monkeypatch, backend_class):
     monkeypatch.setattr(_runtime, "import_cupy", lambda fn: FakeCupy)
     monkeypatch.setattr(_runtime, "CupyBackend", backend_class)
     monkeypatch.setattr(nccl, "available", lambda: True)
-    monkeypatch.setattr(nccl, "communicator", lambda comm, device_id, timeout=None: FakeNcclComm(comm))
+    real_communicator = getattr(nccl.communicator, "real", nccl.communicator)  # installed twice: not a fake's
+
+    def communicator(comm, device_id, timeout=nccl.DEFAULT_TIMEOUT):
+        """burstmpi's own ``communicator`` (the bootstrap, the deadline, ``lifetime``) on the fakes."""
+        FakeNccl.bootstrap = comm
+        try:
+            return real_communicator(comm, device_id, timeout, _cupy=FakeCupy, _nccl=FakeNccl)
+        finally:
+            FakeNccl.bootstrap = None
+
+    communicator.real = real_communicator
+    monkeypatch.setattr(nccl, "communicator", communicator)
     real = nccl.NCCLTransport
 
     class Transport(real):
         def __init__(self, comm, device_id, timeout_s=300.0, *, _cupy=None, _nccl=None, _nccl_comm=None):
-            super().__init__(comm, device_id, timeout_s, _cupy=FakeCupy, _nccl=FakeNccl,
-                             _nccl_comm=FakeNcclComm(comm) if _nccl_comm is None else _nccl_comm)
+            super().__init__(comm, device_id, timeout_s, _cupy=FakeCupy, _nccl=FakeNccl, _nccl_comm=_nccl_comm)
 
     monkeypatch.setattr(nccl, "NCCLTransport", Transport)
     return FakeCupy
