@@ -46,7 +46,8 @@ EXTRAS_REQUIRE = {
 
 # -- console scripts ------------------------------------------------------------------
 ENTRY_POINTS = {"console_scripts": ["burstmpi-bench = burstmpi.bench:main",
-                                    "burstmpi-gpucheck = burstmpi.bench.gpucheck:main"]}
+                                    "burstmpi-gpucheck = burstmpi.bench.gpucheck:main",
+                                    "burstmpi-soak = burstmpi.bench.soak:main"]}
 
 setup(
     name=NAME,

@@ -26,7 +26,8 @@ from docutils import nodes
 from docutils.parsers.rst import Directive, directives
 
 # The console scripts setup.py declares, and the module each runs.
-SCRIPTS = {"burstmpi-bench": "burstmpi.bench", "burstmpi-gpucheck": "burstmpi.bench.gpucheck"}
+SCRIPTS = {"burstmpi-bench": "burstmpi.bench", "burstmpi-gpucheck": "burstmpi.bench.gpucheck",
+           "burstmpi-soak": "burstmpi.bench.soak"}
 DIRECTIVE = re.compile(r"^```\{command-output\}[ \t]+(.+?)[ \t]*$", re.M)
 
 # The helper: argv lists in on stdin (JSON), [output, exit status] per command out.
