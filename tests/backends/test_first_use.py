@@ -155,3 +155,33 @@ def test_the_rank_comes_from_the_launcher_without_mpi():
         res = subprocess.run([sys.executable, "-c", code, jit_cache.__file__], env=env, capture_output=True, text=True,
                              timeout=60)
         assert res.stdout.split() == [want, "False"], res.stdout + res.stderr
+
+
+@alone
+def test_threads_that_first_use_the_loops_at_once_all_get_them():
+    """Threads of one process (JAX's, torch's, at MPI_THREAD_MULTIPLE) calling the loops
+    first at the same moment: one compiles (or loads) them, the others wait for it; none
+    fails on a loop whose compilation the first one already closed."""
+    script = textwrap.dedent("""
+        import threading
+        from burstmpi._backends.cpu import kernels, packed, tiles
+        errors, go = [], threading.Barrier(4)
+        def first_use():
+            go.wait()
+            try:
+                tiles.warm()
+                if packed.available():
+                    packed.warm()
+            except Exception as e:
+                errors.append(repr(e))
+        threads = [threading.Thread(target=first_use) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        print("all warm")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0 and "all warm" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

@@ -31,6 +31,7 @@ The loops that compile these kernels in flush their cache when this file changes
 (``jit_cache``): numba alone would keep their old copies.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -59,6 +60,9 @@ _C0, _C1, _C2, _C3, _C4, _C5, _C6 = (_F(c) for c in (1.0, 1.0, 0.499999910593032
 
 name = "numba"  # what the bench and the stats call this set of operations
 _warm = None  # (seconds, loaded from the disk cache) of the first warm()
+# Threads of one process (a framework's, at MPI_THREAD_MULTIPLE) may make their first call at
+# once: one compiles, the others wait (a second compile after disable_compile() would fail).
+_warm_lock = threading.Lock()
 
 
 @intrinsic
@@ -258,17 +262,18 @@ def warm():
     """Compile every kernel (or load it from the disk cache) for the float32 tiles, once per
     process; return the seconds the first call took."""
     global _warm
-    if _warm is None:
-        t0 = time.perf_counter()
-        s = np.zeros((2, 4), np.float32)
-        lo, hi = np.zeros(2, np.int64), np.full(2, 4, np.int64)
-        r = np.zeros(2, np.float32)
-        softmax_update(s, lo, hi, 1, np.full(2, -np.inf, np.float32), r.copy(), r.copy())
-        probs(s, lo, hi, 1, r)
-        dsoftmax(s.copy(), s, r)
-        widen(np.zeros(4, np.float16))
-        widen(np.zeros(4, bfloat16))
-        _warm = (time.perf_counter() - t0, cached())
+    with _warm_lock:
+        if _warm is None:
+            t0 = time.perf_counter()
+            s = np.zeros((2, 4), np.float32)
+            lo, hi = np.zeros(2, np.int64), np.full(2, 4, np.int64)
+            r = np.zeros(2, np.float32)
+            softmax_update(s, lo, hi, 1, np.full(2, -np.inf, np.float32), r.copy(), r.copy())
+            probs(s, lo, hi, 1, r)
+            dsoftmax(s.copy(), s, r)
+            widen(np.zeros(4, np.float16))
+            widen(np.zeros(4, bfloat16))
+            _warm = (time.perf_counter() - t0, cached())
     return _warm[0]
 
 

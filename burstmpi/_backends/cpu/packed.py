@@ -40,6 +40,7 @@ lse). Results are bitwise reproducible; they differ from ``tiles``' in rounding 
 """
 
 import sys
+import threading
 import time
 
 import numpy as np
@@ -288,18 +289,22 @@ _SIGNATURES = {
 # older than any of the three files is flushed (``jit_cache``).
 jit_cache.guard(sys.modules[__name__], (kernels, micro))
 _warm = None
+# Threads of one process (a framework's, at MPI_THREAD_MULTIPLE) may make their first call at
+# once: one compiles, the others wait (a second compile after disable_compile() would fail).
+_warm_lock = threading.Lock()
 
 
 def warm():
     """Compile (or load from the disk cache) the packed path, once per process; return the
     seconds the first call took."""
     global _warm
-    if _warm is None:
-        t0 = time.perf_counter()
-        for fn, signature in _SIGNATURES.items():
-            fn.compile(signature)
-            fn.disable_compile()
-        _warm = time.perf_counter() - t0
+    with _warm_lock:
+        if _warm is None:
+            t0 = time.perf_counter()
+            for fn, signature in _SIGNATURES.items():
+                fn.compile(signature)
+                fn.disable_compile()
+            _warm = time.perf_counter() - t0
     return _warm
 
 

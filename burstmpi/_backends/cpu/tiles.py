@@ -39,6 +39,7 @@ the backend's threads run rows side by side (``threads``), each with one-threade
 """
 
 import sys
+import threading
 import time
 
 import numba
@@ -291,20 +292,24 @@ _SIGNATURES = {
 # any of the three files is flushed (``jit_cache``).
 jit_cache.guard(sys.modules[__name__], (kernels, blas))
 _warm = None  # (seconds, loaded from the disk cache) of the first warm()
+# Threads of one process (a framework's, at MPI_THREAD_MULTIPLE) may make their first call at
+# once: one compiles, the others wait (a second compile after disable_compile() would fail).
+_warm_lock = threading.Lock()
 
 
 def warm():
     """Compile (or load from the disk cache) the kernels and both loops, once per process;
     return the seconds the first call took."""
     global _warm
-    if _warm is None:
-        t0 = time.perf_counter()
-        kernels.warm()
-        for loop, signature in _SIGNATURES.items():
-            loop.compile(signature)
-            loop.disable_compile()  # every call converts to that signature
-        cached = kernels.cached() and all(sum(x.stats.cache_hits.values()) > 0 for x in _SIGNATURES)
-        _warm = (time.perf_counter() - t0, cached)
+    with _warm_lock:
+        if _warm is None:
+            t0 = time.perf_counter()
+            kernels.warm()
+            for loop, signature in _SIGNATURES.items():
+                loop.compile(signature)
+                loop.disable_compile()  # every call converts to that signature
+            cached = kernels.cached() and all(sum(x.stats.cache_hits.values()) > 0 for x in _SIGNATURES)
+            _warm = (time.perf_counter() - t0, cached)
     return _warm[0]
 
 
