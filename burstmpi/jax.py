@@ -31,6 +31,16 @@ as an extra operand and result (``_ordered_buffer_call``). So every call runs, o
 program order, interleaved in order with the program's own ordered ``io_callback`` calls,
 inside ``jax.jit``, ``jax.grad`` and ``jax.value_and_grad`` as eagerly.
 
+**Plans.** The traced functions hold the plan cache's key (communicator and options), not a
+plan: each call looks its plan up in ``burstmpi._plan_cache`` (``plan_cache.run``), so the
+cache's bounds and ``release_cached`` hold for them.
+
+**One device per rank; MPI_THREAD_MULTIPLE.** Inside ``shard_map`` or ``pmap`` over several
+devices of one process XLA would run the call on each at once, on one rank's ring: refused
+when traced (and when lowered). A ``jax.jit`` of arrays sharded over this process's devices
+runs the call once, on the gathered arrays. XLA runs the callbacks on threads of its own, so
+below ``MPI_THREAD_MULTIPLE`` the call is refused when traced (``docs/guide/frameworks.md``).
+
 Importing ``burstmpi`` never imports JAX; importing this module without JAX raises an
 ImportError that says so.
 """
@@ -44,9 +54,11 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 import dataclasses
 import functools
+import math
 import warnings
 
 import numpy as np
+from mpi4py import MPI
 
 from . import _plan_cache as plan_cache
 from ._validate import check_cu_seqlens, fingerprint
@@ -76,24 +88,134 @@ def _refuse(what):
     return rule
 
 
-def _lower_ordered(ctx, *args, callback, result_avals):
-    """JAX's buffer-callback custom call, with the ordering token in and out."""
+# -- what the ring needs of the program: one device per rank, MPI from XLA's threads -------
+
+
+def _refuse_devices(n, how):
+    """Refuse a program that calls burstmpi on ``n`` > 1 devices of this process at once."""
+    if n <= 1:
+        return
+    raise NotImplementedError(
+        f"{_NAME}: devices per call: expected 1, got {n}: {how} runs this call on each of {n} devices of "
+        "this process, at once, on one rank's ring. burstmpi's ring is over MPI ranks, one process per device "
+        "(not JAX's one process per host owning all its devices). Run one MPI rank per device, each seeing "
+        "one: on GPUs set CUDA_VISIBLE_DEVICES per rank (e.g. from its local rank), on the CPU "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=1; or call it outside shard_map/pmap (under "
+        "jax.jit, arrays sharded over this process's devices are gathered to one device for the call)")
+
+
+def _devices_per_call(axis_context):
+    """How many of this process's devices run each call of the program being lowered: one,
+    except inside ``shard_map`` (and ``pmap``, which JAX 0.10 lowers as one), whose manual
+    axes run it once per device of the mesh."""
+    manual = getattr(axis_context, "manual_axes", None)
+    mesh = getattr(axis_context, "mesh", None)
+    if not manual or mesh is None:
+        return 1
+    per_call = math.prod(mesh.shape[a] for a in manual)
+    try:
+        devices = np.ravel(mesh.devices)  # a concrete mesh's: count this process's own
+    except (AttributeError, ValueError):
+        return min(per_call, jax.local_device_count())  # an abstract mesh's: at most the local ones
+    mine = jax.process_index()
+    return min(per_call, sum(d.process_index == mine for d in devices))
+
+
+def _devices_of_program(axis_context):
+    """How many devices the program being lowered spans (its partitions)."""
+    mesh = getattr(axis_context, "mesh", None)
+    if mesh is not None:
+        return math.prod(mesh.shape.values())
+    return getattr(axis_context, "num_devices", 1) or 1
+
+
+def _refuse_other_processes(axis_context):
+    """A jit over devices of several processes (``jax.distributed``) runs a callback on the
+    first device only, in one process: the other ranks' rings would wait for it forever."""
+    processes = {d.process_index for d in (getattr(axis_context, "device_assignment", None) or ())}
+    if len(processes) > 1:
+        raise NotImplementedError(
+            f"{_NAME}: processes of the program's devices: expected this process only, got {sorted(processes)}: "
+            "XLA would run the call on one device of one process, and the other ranks would wait for it. "
+            "burstmpi's ring is over MPI ranks, each calling it on its own arrays: one process per device")
+
+
+def _check_devices_at_trace():
+    """``_refuse_devices`` where the trace shows it: inside ``shard_map`` or ``pmap``, whose
+    manual mesh axes are in the abstract mesh (the buffer path's lowering checks it again,
+    with the mesh's devices; a sharded ``jax.jit`` shows only there, and is allowed)."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get_mesh is None:
+        return
+    mesh = get_mesh()
+    manual = getattr(mesh, "manual_axes", ()) or ()
+    per_call = math.prod(mesh.shape[a] for a in manual)
+    _refuse_devices(min(per_call, jax.local_device_count()), "jax.shard_map or jax.pmap")
+
+
+_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+           MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED", MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+
+
+def _check_thread_level():
+    """Refuse, when the program is traced, an MPI below ``MPI_THREAD_MULTIPLE``. XLA runs the
+    callbacks (both paths, eagerly and under jit) on this thread or on threads of its own,
+    as it dispatches: any call whose program is dispatched before the one before it has
+    finished (measured with JAX 0.10: ``tests/adapters/test_adapter_threads.py``), while
+    this thread goes on and may itself call MPI. Only ``MPI_THREAD_MULTIPLE`` allows that;
+    and no error then comes from inside XLA."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return  # the plan's own checks say what is wrong
+    level = MPI.Query_thread()
+    if level >= MPI.THREAD_MULTIPLE:
+        return
+    raise RuntimeError(
+        f"{_NAME}: MPI thread level: expected MPI_THREAD_MULTIPLE, got {_LEVELS.get(level, level)}: XLA runs "
+        "the callbacks that make burstmpi's MPI calls on threads of its own, while this thread goes on, which "
+        "MPI allows only at MPI_THREAD_MULTIPLE. Ask for it before MPI starts: mpi4py.rc.thread_level = "
+        "\"multiple\" before `from mpi4py import MPI`, or MPI4PY_RC_THREAD_LEVEL=multiple in the environment "
+        "(mpi4py's default); an MPI that gives less when asked lacks thread support")
+
+
+def _lower_ordered(ctx, *args, callback, host, result_avals):
+    """JAX's buffer-callback custom call, with the ordering token in and out. On several
+    devices (a ``jax.jit`` of arrays sharded over this process's devices) the call instead
+    takes ``host`` (the same work on host arrays) through JAX's own host callback, with the
+    sharding JAX gives its ``io_callback``: the whole arrays on the first device, once, which
+    is what a call that is one rank's part of the ring needs. The buffer call cannot carry
+    that sharding: XLA's Shardy partitioner drops it from any custom call but its own
+    callbacks', and then fails ("Side-effect HLO must have sharding"). Per device (inside
+    ``shard_map`` or ``pmap``) ``_refuse_devices`` refuses several devices of this process."""
     del result_avals
     platforms = tuple(ctx.module_context.platforms)
     if len(platforms) != 1 or platforms[0] not in _TARGETS:
         raise NotImplementedError(f"{_NAME}: buffer callbacks run on one CPU or GPU platform, got {platforms}")
-    n = len(args)
+    axis_context = ctx.module_context.axis_context
+    _refuse_devices(_devices_per_call(axis_context), "jax.shard_map or jax.pmap")
+    _refuse_other_processes(axis_context)
+    token_in = ctx.tokens_in.get(_OrderedIOEffect)
+    if _devices_of_program(axis_context) > 1:
+        if platforms[0] != "cpu" and not _warned:
+            _warned.append(True)
+            warnings.warn(f"{_NAME}: arrays sharded over several devices of this process go through a host "
+                          "callback (XLA gathers them to the first device and copies them to host memory) and "
+                          "run on the CPU backend; for GPU speed run one MPI rank per GPU", stacklevel=2)
+        sharding = _callback_op_sharding(axis_context, None, ctx.avals_out)
+        results, token, _ = _emit_python_callback(ctx, host, token_in, list(args), ctx.avals_in, ctx.avals_out,
+                                                  has_side_effect=True, returns_token=True, sharding=sharding)
+    else:
+        n = len(args)
 
-    def run(exec_ctx, token_in, *buffers):  # (inputs..., token out, outputs...)
-        callback(exec_ctx, buffers[n + 1:], *buffers[:n])
-        return ()
+        def run(exec_ctx, token_in, *buffers):  # (inputs..., token out, outputs...)
+            callback(exec_ctx, buffers[n + 1:], *buffers[:n])
+            return ()
 
-    ctx.module_context.add_host_callback(run)
-    index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
-    with_token = dataclasses.replace(ctx, avals_in=[_core.abstract_token, *ctx.avals_in],
-                                     avals_out=[_core.abstract_token, *ctx.avals_out])
-    token, *results = _ffi.ffi_lowering(_TARGETS[platforms[0]], has_side_effect=True)(
-        with_token, ctx.tokens_in.get(_OrderedIOEffect), *args, index=index)
+        ctx.module_context.add_host_callback(run)
+        index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
+        with_token = dataclasses.replace(ctx, avals_in=[_core.abstract_token, *ctx.avals_in],
+                                         avals_out=[_core.abstract_token, *ctx.avals_out])
+        token, *results = _ffi.ffi_lowering(_TARGETS[platforms[0]], has_side_effect=True)(
+            with_token, token_in, *args, index=index)
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(_mlir.TokenSet({_OrderedIOEffect: token})))
     return results
 
@@ -104,7 +226,7 @@ def _register():
         p = _core.Primitive("burstmpi_ordered_buffer_callback")
         p.multiple_results = True
         _dispatch.simple_impl(p)
-        p.def_effectful_abstract_eval(lambda *avals, callback, result_avals: (result_avals, {_OrderedIOEffect}))
+        p.def_effectful_abstract_eval(lambda *avals, callback, host, result_avals: (result_avals, {_OrderedIOEffect}))
         _ad.primitive_jvps[p] = _refuse("its callbacks are differentiated through its custom_vjp only")
         _ad.primitive_transposes[p] = _refuse("its callbacks are differentiated through its custom_vjp only")
         _batching.primitive_batchers[p] = _refuse(
@@ -119,7 +241,7 @@ def _register():
 try:
     import jax.experimental.buffer_callback  # noqa: F401 - the public feature this path stands on
     from jax._src import core as _core, dispatch as _dispatch, ffi as _ffi
-    from jax._src.callback import _OrderedIOEffect
+    from jax._src.callback import _OrderedIOEffect, _callback_op_sharding, emit_python_callback as _emit_python_callback
     from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 except ImportError:  # an older (or reorganised) JAX: the io_callback path
     _ordered_p = None
@@ -130,11 +252,13 @@ else:
 _BUFFERS = _ordered_p is not None
 
 
-def _ordered_buffer_call(callback, shapes, *args):
+def _ordered_buffer_call(callback, host, shapes, *args):
     """``callback(ctx, outputs, *inputs)`` on XLA's buffers of ``args``, writing the results
-    (``shapes``: ShapeDtypeStructs) into ``outputs``; ordered as ``io_callback(ordered=True)``."""
+    (``shapes``: ShapeDtypeStructs) into ``outputs``; ordered as ``io_callback(ordered=True)``.
+    ``host(*arrays)``: the same on host arrays, returning the results, for a program over
+    several devices (``_lower_ordered``)."""
     avals = tuple(_core.ShapedArray(s.shape, s.dtype) for s in shapes)
-    return tuple(_ordered_p.bind(*args, callback=callback, result_avals=avals))
+    return tuple(_ordered_p.bind(*args, callback=callback, host=host, result_avals=avals))
 
 
 # -- from XLA's buffers to burstmpi's arrays and back ----------------------------------
@@ -197,47 +321,50 @@ def _lse_dtype(dtype):
     return jnp.float64 if np.dtype(dtype) == np.float64 else jnp.float32
 
 
-def _runners(plan, cu, comm, options):
-    """``run_forward`` and ``run_backward``: ``run(arrays, device)`` calls the plan's forward or
-    backward on ``arrays``, on ``plan`` (host arrays: ``device`` None) or on the cached plan of
-    the same options on the CUDA kernels of GPU ``device``."""
+def _runners(cu, comm, options):
+    """``run_forward`` and ``run_backward``: ``run(arrays, device)`` calls the forward or
+    backward of the cached plan for ``options`` on ``comm``, looked up in the plan cache at
+    every call (``plan_cache.run``): the adapter holds no plan, so the cache's bounds and
+    ``release_cached`` hold for the plans its programs use. Host arrays (``device`` None) run
+    on the CPU backend's plan, GPU buffers on the plan of the same options on the CUDA
+    kernels of GPU ``device``."""
 
-    def plan_on(device):
-        if device is None:
-            return plan
-        # Made (collectively) in the first call that brings GPU buffers: every rank reaches
-        # it there, as the calls run in program order.
-        gpu = dict(options, backend="cuda", device=device)
-        return plan_cache.run(_NAME, comm, gpu, lambda p: p)
+    def on(device, call):
+        if device is not None:
+            # Made (collectively) in the first call that brings GPU buffers: every rank
+            # reaches it there, as the calls run in program order.
+            return plan_cache.run(_NAME, comm, dict(options, backend="cuda", device=device), call)
+        return plan_cache.run(_NAME, comm, options, call)
 
     def run_forward(arrays, device=None):
-        return plan_on(device).forward(*arrays, cu_seqlens=cu)
+        return on(device, lambda plan: plan.forward(*arrays, cu_seqlens=cu))
 
     def run_backward(arrays, device=None):
-        return plan_on(device).backward(*arrays, cu_seqlens=cu)
+        return on(device, lambda plan: plan.backward(*arrays, cu_seqlens=cu))
 
     return run_forward, run_backward
 
 
-def _build(plan, cu, comm, options, buffers):
-    """The custom_vjp function of one plan and one document packing, on XLA's buffers
-    (``buffers``) or on host arrays (``io_callback``)."""
-    run_forward, run_backward = _runners(plan, cu, comm, options)
+def _build(cu, comm, options, buffers):
+    """The custom_vjp function of one communicator, options and document packing, on XLA's
+    buffers (``buffers``) or on host arrays (``io_callback``)."""
+    run_forward, run_backward = _runners(cu, comm, options)
     # One callback object each, made once: JAX caches what it compiled for a call (eagerly,
     # every call) by the callback among its parameters.
-    wrap = _on_buffers if buffers else _on_host
-    on_forward, on_backward = functools.partial(wrap, run_forward), functools.partial(wrap, run_backward)
+    host_forward, host_backward = functools.partial(_on_host, run_forward), functools.partial(_on_host, run_backward)
+    buffer_forward = functools.partial(_on_buffers, run_forward)
+    buffer_backward = functools.partial(_on_buffers, run_backward)
 
-    def call(callback, shapes, *args):
+    def call(on_buffers, on_host, shapes, *args):
         if buffers:
-            return _ordered_buffer_call(callback, shapes, *args)
-        return io_callback(callback, shapes, *args, ordered=True)
+            return _ordered_buffer_call(on_buffers, on_host, shapes, *args)
+        return io_callback(on_host, shapes, *args, ordered=True)
 
     def forward(q, k, v):
         B, C, Z, _ = q.shape
         shapes = (jax.ShapeDtypeStruct(q.shape[:3] + (v.shape[3],), q.dtype),
                   jax.ShapeDtypeStruct((B, Z, C), _lse_dtype(q.dtype)))
-        return call(on_forward, shapes, q, k, v)
+        return call(buffer_forward, host_forward, shapes, q, k, v)
 
     @jax.custom_vjp
     def attend(q, k, v):
@@ -250,7 +377,7 @@ def _build(plan, cu, comm, options, buffers):
     def attend_bwd(res, dout):
         q, k, v, out, lse = res
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        return tuple(call(on_backward, shapes, dout.astype(q.dtype), q, k, v, out, lse))
+        return tuple(call(buffer_backward, host_backward, shapes, dout.astype(q.dtype), q, k, v, out, lse))
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
@@ -276,6 +403,28 @@ def _use_buffers(arrays):
     return True
 
 
+def _function(cu, comm, options, buffers):
+    """The traced function of these options, communicator, documents and path: made once and
+    kept (``_KEPT`` of them), as JAX caches what it compiled for a call by the callback among
+    its parameters. Keyed by the plan cache's key of the options and the communicator's
+    handle, never by a plan: the function holds the communicator object (which does not keep
+    MPI's communicator alive) and looks its plan up at every call. A freed communicator's
+    object has the null handle, so an entry whose communicator was freed, and whose handle
+    MPI gave to a new one, is made again for that one."""
+    options_key = plan_cache._key(options)
+    if options_key is None:  # an argument that cannot be hashed: a function for this call only
+        return _build(cu, comm, options, buffers)
+    key = (options_key, comm.py2f(), fingerprint(cu), buffers)
+    held = _FUNCS.get(key)
+    if held is not None and held[0] == comm:
+        return held[1]
+    if key not in _FUNCS and len(_FUNCS) >= _KEPT:
+        _FUNCS.pop(next(iter(_FUNCS)))
+    fn = _build(cu, comm, options, buffers)
+    _FUNCS[key] = (comm, fn)
+    return fn
+
+
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout=None,
               cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat", timeout=None):
     """``burstmpi.attention`` as a differentiable function of JAX arrays q, k, v (eager, or
@@ -294,20 +443,20 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     300): every wait on other ranks has this deadline; on expiry the job is aborted with
     exit code 75 and a ``burstmpi watchdog:`` line naming who it waited for; see
     ``docs/guide/configuration.md``."""
+    # Both refusals come now, on every rank, before XLA runs anything (the lowering of the
+    # buffer path checks the devices again).
+    _check_thread_level()
+    _check_devices_at_trace()
     cu = check_cu_seqlens(_NAME, cu_seqlens)
     options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
                    mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout, backend="cpu")
+    comm = MPI.COMM_WORLD if comm is None else comm
     # The plan is the functional API's cache's (``burstmpi._plan_cache``: per communicator,
-    # dropped with it); the traced function is kept per plan, documents and path (a
-    # function holds its plan, so the plan's id is not reused while the entry lives).
-    plan = plan_cache.run(_NAME, comm, options, lambda plan: plan)
+    # dropped with it, bounded, freed by ``release_cached``). Made or found now, as every
+    # rank traces, so wrong arguments raise here; each call looks it up again (``_runners``).
+    plan_cache.run(_NAME, comm, options, lambda plan: None)
     buffers = _use_buffers((q, k, v))
-    key = (id(plan), fingerprint(cu), buffers)
-    fn = _FUNCS.get(key)
-    if fn is None:
-        if len(_FUNCS) >= _KEPT:
-            _FUNCS.pop(next(iter(_FUNCS)))
-        fn = _FUNCS[key] = _build(plan, cu, comm, options, buffers)
+    fn = _function(cu, comm, options, buffers)
     if not buffers and not _warned and any(_on_gpu(x) for x in (q, k, v)):
         _warned.append(True)
         warnings.warn(f"{_NAME}: GPU arrays go through host callbacks (XLA copies them to host memory and "

@@ -4,19 +4,24 @@
     out = bt.attention(q, k, v, causal=True, layout="zigzag")   # this rank's tokens
     loss = out.float().square().sum(); loss.backward()          # every rank: collective
 
-``attention`` is a ``torch.autograd.Function`` over a cached ``BurstAttention`` plan: the
-forward runs the ring's forward and saves q, k, v, out and lse (nothing else); the backward
+``attention`` is a ``torch.autograd.Function`` over the plan cache (``burstmpi._plan_cache``):
+the forward runs the ring's forward on the cached plan of (communicator, options) and saves
+q, k, v, out and lse, and the key, never the plan (the backward looks the plan up again, so
+the cache's bounds and ``release_cached`` hold for a graph waiting for its backward); the backward
 runs burstmpi's own backward (every rank calls it: the loss's backward is collective, as
 in any data-parallel step). Any subset of q, k, v may require grad, and they may be
 non-leaf tensors (projections). CPU tensors run on the CPU backend through zero-copy
 NumPy views; CUDA tensors on the CUDA backend through DLPack, on the tensor's current
-stream. Gradients come back in the inputs' dtype and device.
+stream. Gradients come back in the inputs' dtype and device. Below ``MPI_THREAD_MULTIPLE`` a
+forward or backward on a thread other than MPI's main one is refused, and so is a forward on
+CUDA tensors that require grad (torch runs their backward on its autograd thread).
 
 Importing ``burstmpi`` never imports torch; importing this module without torch raises an
 ImportError that says so.
 """
 
 import contextlib
+import threading
 
 try:
     import torch
@@ -24,17 +29,55 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("burstmpi.torch needs PyTorch (pip install torch); `import burstmpi` alone "
                       "does not") from e
 
+from mpi4py import MPI
 
 from . import _plan_cache as plan_cache
 
 __all__ = ["attention"]
 
-def _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout):
-    """The plan for these options, kept by the functional API's cache (``burstmpi._plan_cache``:
-    per communicator, dropped with it) so its ring buffers are reused from step to step."""
-    options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
-                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
-    return plan_cache.run("burstmpi.torch.attention", comm, options, lambda plan: plan)
+_NAME = "burstmpi.torch.attention"
+_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+           MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED", MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+_ASK = ("ask for it before MPI starts: mpi4py.rc.thread_level = \"multiple\" before `from mpi4py import MPI`, or "
+        "MPI4PY_RC_THREAD_LEVEL=multiple in the environment (mpi4py's default); an MPI that gives less when "
+        "asked lacks thread support")
+
+
+def _check_thread(what, cuda_backward=False):
+    """Refuse, before any MPI call, what MPI forbids below ``MPI_THREAD_MULTIPLE``: a call
+    from a thread other than the one that initialised MPI (at ``MPI_THREAD_SERIALIZED`` it
+    is allowed only where no other thread calls MPI meanwhile, which burstmpi cannot know of
+    the caller's threads). ``cuda_backward``: the backward will need MPI on another thread,
+    as torch's autograd engine runs the backward of CUDA tensors on a thread of its own per
+    device (that of CPU tensors on the thread that calls ``backward()``: measured by
+    ``tests/adapters/test_adapter_threads.py``), so the forward refuses it early."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return  # the plan's own checks say what is wrong
+    level = MPI.Query_thread()
+    if level >= MPI.THREAD_MULTIPLE:
+        return
+    thread = threading.current_thread().name
+    if cuda_backward:
+        why = ("the backward of CUDA tensors that require grad runs on torch's autograd thread of the device, "
+               "not on the thread that initialised MPI")
+    elif not MPI.Is_thread_main():
+        why = f"{what} runs on thread {thread!r}, not on the thread that initialised MPI"
+    else:
+        return
+    raise RuntimeError(f"{_NAME}: MPI thread level: expected MPI_THREAD_MULTIPLE, got {_LEVELS.get(level, level)}: "
+                       f"{why}, which MPI allows only at MPI_THREAD_MULTIPLE; {_ASK}")
+
+
+def _options(causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout):
+    """The plan cache's options (``plan_cache.run``) of a call."""
+    return dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
+                mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
+
+
+def _plan(comm, *options):
+    """The cached plan for these options (``_options``' arguments, in order): what a call
+    looks up, for whoever needs to see it; the adapter itself never keeps it."""
+    return plan_cache.run(_NAME, comm, _options(*options), lambda plan: plan)
 
 
 def _stream(t):
@@ -47,22 +90,29 @@ def _stream(t):
 
 
 class _Attention(torch.autograd.Function):
+    """The ring's forward and backward on the cached plan of (``comm``, ``options``), looked
+    up in the plan cache at each (``plan_cache.run``): the autograd graph holds the cache's
+    key, never a plan, so the cache's bounds and ``release_cached`` hold for the plans a
+    graph waiting for its backward would use."""
+
     @staticmethod
-    def forward(ctx, q, k, v, plan, cu_seqlens):
+    def forward(ctx, q, k, v, comm, options, cu_seqlens):
         with _stream(q):
-            out, lse = plan.forward(q.detach(), k.detach(), v.detach(), cu_seqlens=cu_seqlens)
+            out, lse = plan_cache.run(_NAME, comm, options, lambda plan: plan.forward(
+                q.detach(), k.detach(), v.detach(), cu_seqlens=cu_seqlens))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.cu_seqlens = plan, cu_seqlens
+        ctx.comm, ctx.options, ctx.cu_seqlens = comm, options, cu_seqlens
         ctx.mark_non_differentiable(lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        _check_thread("the backward")
         q, k, v, out, lse = ctx.saved_tensors
         with _stream(q):
-            dq, dk, dv = ctx.plan.backward(dout.contiguous(), q.detach(), k.detach(), v.detach(), out, lse,
-                                           cu_seqlens=ctx.cu_seqlens)
-        return dq, dk, dv, None, None
+            dq, dk, dv = plan_cache.run(_NAME, ctx.comm, ctx.options, lambda plan: plan.backward(
+                dout.contiguous(), q.detach(), k.detach(), v.detach(), out, lse, cu_seqlens=ctx.cu_seqlens))
+        return dq, dk, dv, None, None, None
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout=None,
@@ -79,8 +129,12 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     Returns out like q. Collective over ``comm`` in the forward and in the backward."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"burstmpi.torch.attention: {name}: expected a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{_NAME}: {name}: expected a torch.Tensor, got {type(x).__name__}")
+    _check_thread("the forward", cuda_backward=q.is_cuda and torch.is_grad_enabled()
+                  and any(x.requires_grad for x in (q, k, v)))
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    plan = _plan(comm, causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout)
-    return _Attention.apply(q, k, v, plan, cu_seqlens)
+    options = _options(causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout)
+    # The plan is the functional API's cache's (``burstmpi._plan_cache``: per communicator,
+    # dropped with it), so its ring buffers are reused from step to step.
+    return _Attention.apply(q, k, v, MPI.COMM_WORLD if comm is None else comm, options, cu_seqlens)

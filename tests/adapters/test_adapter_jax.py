@@ -355,11 +355,59 @@ def test_gpu_buffers_reach_the_cuda_plan_on_xlas_stream(monkeypatch):
 
     monkeypatch.setattr(bj, "_cupy", lambda: FakeCupy)
     monkeypatch.setattr(bj.plan_cache, "run", run)
-    host_plan = object()  # never used for GPU buffers
-    run_forward, _ = bj._runners(host_plan, [0, 2], "comm", dict(causal=True, backend="cpu"))
+    run_forward, _ = bj._runners([0, 2], "comm", dict(causal=True, backend="cpu"))
     ctx = type("ExecutionContext", (), {"stream": 0xABC})()
     outs = (Buffer(np.zeros(2)), Buffer(np.zeros(2)))
     bj._on_buffers(run_forward, ctx, outs, *(Buffer(np.full(2, float(i))) for i in (1, 2, 3)))
     assert made == [(bj._NAME, "comm", "cuda", 3, True)] and current == []
     np.testing.assert_array_equal(outs[0].value, [3.0, 3.0])
     np.testing.assert_array_equal(outs[1].value, [3.0, 3.0])
+
+
+# -- the adapter holds no plan: the plan cache's bounds and release_cached hold for it ------
+
+
+def test_holds_no_plan_and_runs_after_release_cached():
+    """A jitted step and an eager call keep the plan cache's key, not its plans: after
+    ``release_cached()`` the plans they used are gone (weakly referenced: collected) while
+    the step is alive, and its next call makes a plan again and gives the same bits."""
+    import gc
+    import weakref
+
+    from burstmpi import _plan_cache as plan_cache
+
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, 3 * NRANKS)
+    step = jax.jit(jax.grad(lambda q, k, v: bj.attention(q, k, v, causal=True, layout="zigzag").sum(),
+                            argnums=(0, 1, 2)))
+    eager = bj.attention(q, k, v, layout="contiguous")
+    burstmpi.release_cached()
+    first = step(q, k, v)
+    used = [weakref.ref(p) for p in plan_cache.cached_plans(COMM)]
+    assert len(used) == 1
+    burstmpi.release_cached()
+    gc.collect()
+    assert [r() for r in used] == [None]  # nothing of the adapter's kept it: not _FUNCS, not the step
+    again = step(q, k, v)
+    assert len(plan_cache.cached_plans(COMM)) == 1 and plan_cache.cached_plans(COMM)[0] is not None
+    for a, b in zip(first, again):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert np.asarray(bj.attention(q, k, v, layout="contiguous")).tobytes() == np.asarray(eager).tobytes()
+
+
+def test_the_cache_bounds_the_plans_of_adapter_calls(monkeypatch):
+    """With room for one plan, two adapter functions of different options evict each other's
+    plan at every call (the adapter cannot keep one alive beside the cache), and both stay exact."""
+    from burstmpi import _plan_cache as plan_cache
+
+    monkeypatch.setattr(plan_cache, "MAX_PLANS", 1)
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng, 3 * NRANKS)
+    burstmpi.release_cached()
+    causal = jax.jit(lambda q, k, v: bj.attention(q, k, v, causal=True, layout="contiguous"))
+    full = jax.jit(lambda q, k, v: bj.attention(q, k, v, layout="contiguous"))
+    results = [np.asarray(f(q, k, v)) for f in (causal, full, causal, full)]
+    assert plan_cache.stats(COMM).plans == 1 and plan_cache.stats(COMM).evictions >= 3
+    assert results[0].tobytes() == results[2].tobytes() and results[1].tobytes() == results[3].tobytes()
+    assert results[0].tobytes() != results[1].tobytes()
+    burstmpi.release_cached()

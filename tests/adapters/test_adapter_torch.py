@@ -138,3 +138,31 @@ def test_import_burstmpi_imports_neither_framework_and_missing_ones_say_so():
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert f"burstmpi.{name} needs {package} (pip install {name})" in res.stdout, res.stdout + res.stderr
     assert RANK == 0
+
+
+def test_holds_no_plan_and_runs_after_release_cached():
+    """The autograd graph keeps the plan cache's key, not its plan: after ``release_cached()``
+    between the forward and the backward, the plan the forward used is gone (weakly
+    referenced: collected) while the graph is alive, and the backward makes a plan again
+    and is exact (float64 against burstmpi.reference)."""
+    import gc
+    import weakref
+
+    from burstmpi import _plan_cache as plan_cache
+    from burstmpi import reference
+
+    rng = np.random.default_rng(7)
+    N = 4 * NRANKS
+    q, k, v, w = (rng.standard_normal((1, N, 2, 8)) for _ in range(4))
+    ts = [torch.tensor(burstmpi.shard(x, layout="zigzag"), requires_grad=True) for x in (q, k, v)]
+    burstmpi.release_cached()
+    out = bt.attention(*ts, causal=True, layout="zigzag")
+    used = [weakref.ref(p) for p in plan_cache.cached_plans(COMM)]
+    assert len(used) == 1
+    burstmpi.release_cached()
+    gc.collect()
+    assert out.grad_fn is not None and [r() for r in used] == [None]
+    (out * torch.tensor(burstmpi.shard(w, layout="zigzag"))).sum().backward()
+    assert len(plan_cache.cached_plans(COMM)) == 1
+    for t, exact in zip(ts, reference.backward(w, q, k, v, causal=True)):
+        assert np.abs(t.grad.numpy() - burstmpi.shard(exact, layout="zigzag")).max() < 1e-12
