@@ -155,7 +155,7 @@ class Runtime:
                 self.release()
                 self.transport = self._default if self._host is None else self._host
             with watchdog.guard("the set-up of the CPU backend (its cores and transport)", self.timeout):
-                masks, _ = node_masks(self.comm)  # collective
+                masks, _ = node_masks(self.comm, self.timeout)  # collective
                 if self.transport is self._default:
                     self.transport = self._waiting(self._host_transport(fn, one_node=len(masks) == self.nranks))
                 self._host = self.transport
@@ -394,11 +394,8 @@ def check_thread(fn):
     if level < MPI.THREAD_MULTIPLE and not MPI.Is_thread_main():
         import threading
 
-        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
-                 MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
         raise RuntimeError(
             f"{fn}: called from thread {threading.current_thread().name!r}, not the one that initialised MPI, "
-            f"at {names.get(level, level)}: expected MPI_THREAD_MULTIPLE for calls from other threads (set "
+            f"at {watchdog.level_name(level)}: expected MPI_THREAD_MULTIPLE for calls from other threads (set "
             "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI, or MPI4PY_RC_THREAD_LEVEL=multiple; "
             "mpi4py's default), or call burstmpi from the main thread")
-

@@ -65,7 +65,7 @@ def test_a_first_call_on_one_rank_only_ends_the_job():
         if rank == 0:
             call()
     """)
-    assert any("MPI_Comm_dup" in line and "did not make its first burstmpi call" in line for line in lines), lines
+    assert any("MPI_Comm_idup" in line and "did not make its first burstmpi call" in line for line in lines), lines
 
 
 def test_a_rank_stuck_inside_the_ring_is_named_by_its_neighbour():
@@ -96,16 +96,68 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job_without_mpi4py_runner():
 
 
 def test_the_bench_keeps_its_deadline_on_its_own_collectives():
-    """``guarded``: a pickled collective one rank never joins ends the job by the deadline."""
+    """``guarded``: a pickled allreduce (built from nonblocking collectives) one rank never
+    joins ends the job by the deadline, on a communicator split from the guarded one too
+    (mpi4py's own would hold the GIL, and no thread could end it)."""
     lines, _ = _ends_by_watchdog(f"""
         from burstmpi._transport.watchdog import guarded
         comm = guarded(MPI.COMM_WORLD, {TIMEOUT}, who="test")
         assert isinstance(comm, MPI.Intracomm) and comm.Dup()._timeout == {TIMEOUT}  # a plan's private copy
+        half = comm.Split(0, rank)  # made from it: the same deadline and name
+        assert type(half) is type(comm) and (half._timeout, half._who) == ({TIMEOUT}, "test")
         if rank != 2:
-            comm.allreduce(1)
+            half.allreduce(1)
         time.sleep(60)
-    """)
-    assert any("test: allreduce did not complete" in line for line in lines), lines
+    """, most=TIMEOUT + 20)
+    assert any("test: allreduce did not complete within" in line for line in lines), lines
+
+
+GUARDED_AS_MPI4PY = """
+    import numpy as np
+    from burstmpi._transport.watchdog import GuardedComm, guarded
+    world = MPI.COMM_WORLD
+    comm = guarded(world, 7.0, who="test")
+    P = world.Get_size()
+    objs = [{"rank": rank, "list": list(range(rank))}, rank + 0.5]
+    for obj in objs:
+        assert comm.allgather(obj) == world.allgather(obj)
+        assert comm.gather(obj, root=1) == world.gather(obj, root=1)
+        assert comm.bcast(obj, root=2) == world.bcast(obj, root=2)
+    for op in (MPI.SUM, MPI.MAX, MPI.PROD):
+        x = rank + 2
+        assert comm.allreduce(x, op=op) == world.allreduce(x, op=op)
+        assert comm.reduce(x, op=op, root=1) == world.reduce(x, op=op, root=1)
+        assert comm.scan(x, op=op) == world.scan(x, op=op)
+        assert comm.exscan(x, op=op) == world.exscan(x, op=op)
+    every = [(rank, r) for r in range(P)]
+    assert comm.alltoall(every) == world.alltoall(every)
+    assert comm.scatter([r * 10 for r in range(P)] if rank == 0 else None, root=0) == rank * 10
+    comm.Barrier(), comm.barrier()
+    buf = np.array([rank], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, buf)  # under the deadline's guard
+    assert buf[0] == P * (P - 1) // 2
+    group = comm.Get_group()
+    made = {"Dup": comm.Dup(), "Dup_with_info": comm.Dup_with_info(MPI.INFO_NULL), "Clone": comm.Clone(),
+            "Idup": comm.Idup()[0], "Split": comm.Split(rank % 2, rank),
+            "Split_type": comm.Split_type(MPI.COMM_TYPE_SHARED), "Create": comm.Create(group),
+            "Create_group": comm.Create_group(group)}
+    for name, sub in made.items():
+        assert type(sub) is GuardedComm and (sub._timeout, sub._who) == (7.0, "test"), name
+    assert comm.Split(MPI.UNDEFINED if rank else 0, 0) == MPI.COMM_NULL or rank == 0
+    assert isinstance(comm.Create_cart([P]), MPI.Cartcomm)
+    if rank == 0:
+        print("GuardedComm as mpi4py: same results", flush=True)
+"""
+
+
+def test_a_guarded_communicator_answers_as_mpi4py_and_makes_guarded_ones():
+    """Every pickled collective of a ``GuardedComm`` gives what mpi4py's gives (3 ranks),
+    and every communicator made from it is one with the same deadline and name."""
+    rc, out, _ = mpiexec(3, ["-c", textwrap.dedent("""
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+    """) + textwrap.dedent(GUARDED_AS_MPI4PY)], timeout=120)
+    assert rc == 0 and "GuardedComm as mpi4py: same results" in out, out[-3000:]
 
 
 # -- in-process pieces -----------------------------------------------------------------------
@@ -119,11 +171,12 @@ def no_abort(monkeypatch):
     """``abort`` raises instead of ending the test process; the lines printed are kept."""
     calls = []
 
-    def fake(code):
+    def fake(code, comm=None):
         calls.append(code)
         raise Expired(code)
 
-    monkeypatch.setattr(watchdog, "abort", fake)
+    # On the module that owns it: the others look it up there (``watchdog.expiry.abort``).
+    monkeypatch.setattr(watchdog.expiry, "abort", fake)
     return calls
 
 
@@ -148,7 +201,8 @@ def test_complete_returns_at_once_when_done_and_expires_with_the_pending_peers(n
 
 def test_guard_fires_from_its_thread_and_not_when_the_body_ends_in_time(monkeypatch):
     fired = []
-    monkeypatch.setattr(watchdog, "expire", lambda text, code=watchdog.EXIT_TIMEOUT, wait=0.0: fired.append(text))
+    monkeypatch.setattr(watchdog.expiry, "expire",
+                        lambda text, code=watchdog.EXIT_TIMEOUT, wait=0.0: fired.append(text))
     with watchdog.guard("a quick call", 0.5):
         pass
     with watchdog.guard("a slow call", 0.2):
@@ -183,7 +237,8 @@ def test_the_environment_sets_the_default_and_the_old_name_warns(monkeypatch):
         settings()
 
 
-def test_who_names_world_ranks_and_their_hosts():
+def test_who_names_world_ranks_and_their_hosts(monkeypatch):
+    monkeypatch.setattr(watchdog.hosts, "_hosts", {})  # what it learns goes with the test
     watchdog.learn_hosts(MPI.COMM_SELF, ["node-a"])
     me = MPI.COMM_WORLD.Get_rank()
     assert watchdog.who(MPI.COMM_SELF, [0]) == f"rank {me} (node-a)"

@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-from .watchdog import DEFAULT_TIMEOUT, allgather, guard
+from .watchdog import DEFAULT_TIMEOUT, allgather, collective, guard
 
 __all__ = ["CommState", "CommunicatorFreed", "Released", "state_of", "owner", "private_comm", "split_once",
            "resource", "release", "release_all", "states", "live", "count"]
@@ -126,9 +126,12 @@ class CommState:
         self.timeout = timeout
         if self._private is None:
             caller = MPI.Comm.f2py(self.handle)
-            with guard("MPI_Comm_dup of the caller's communicator (a rank did not make its first burstmpi call?)",
-                       timeout):
-                dup = caller.Dup()
+            # Nonblocking, completed by the watchdog's polls on this thread: an expiry then
+            # ends the job from here, at any thread level (a guard's monitor thread could only
+            # end this process below MPI_THREAD_MULTIPLE).
+            dup, request = caller.Idup()
+            collective(caller, [request], timeout,
+                       "MPI_Comm_idup of the caller's communicator (a rank did not make its first burstmpi call?)")
             _mark(dup, self, "private")
             count("communicators")
             self._private = dup

@@ -97,7 +97,7 @@ def choices(value, allowed):
 def deadline(comm):
     """Seconds a wait on the other ranks of ``comm`` may last: the bench's ``--timeout`` on
     its communicator (``watchdog.guarded`` keeps it there), else ``BURSTMPI_TIMEOUT``."""
-    return comm._timeout if isinstance(comm, watchdog.GuardedComm) else settings().timeout
+    return watchdog.timeout_of(comm)
 
 
 def guard(comm, what):
@@ -106,6 +106,17 @@ def guard(comm, what):
     if comm.Get_size() == 1:
         return contextlib.nullcontext()
     return watchdog.guard(f"burstmpi-bench: {what}", deadline(comm))
+
+
+def threads_note():
+    """The preamble's word on MPI's thread level below MPI_THREAD_MULTIPLE, where the
+    watchdog's monitor and the signal thread may not call MPI: the main thread ends the job
+    (``watchdog.on_callers_thread``). Empty at MULTIPLE."""
+    level = MPI.Query_thread()
+    if level >= MPI.THREAD_MULTIPLE:
+        return ""
+    return (f"; MPI at {watchdog.identity.level_name(level)}: the main thread ends the job, at its next wait "
+            "on other ranks")
 
 
 def blas_threads(comm):
@@ -284,12 +295,11 @@ def reads_in_place(comm, dev, budget, transport="auto"):
 
 def budget_for(comm, dev, limit):
     """The job's memory pools for ``memory.Budget`` (collective): each node's host memory,
-    and each rank's GPU when the arrays live there."""
-    with guard(comm, "the split of the ranks by node (memory)"):
-        if dev.cupy is None:
-            return Budget(comm, limit)
-        cp = dev.cupy
-        return Budget(comm, limit, device_free=lambda: cp.cuda.runtime.memGetInfo()[0], device_id=cp.cuda.Device().id)
+    and each rank's GPU when the arrays live there. Its waits have ``deadline(comm)``."""
+    if dev.cupy is None:
+        return Budget(comm, limit)
+    cp = dev.cupy
+    return Budget(comm, limit, device_free=lambda: cp.cuda.runtime.memGetInfo()[0], device_id=cp.cuda.Device().id)
 
 
 def resolve_device(comm, backend):
@@ -438,7 +448,7 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
         *([f"#  Rank {r:3d} Pid {pid:7d} on {host} device {d}" for r, (host, pid, d) in enumerate(who)]
           if who else []),
         f"#  Watchdog: a wait on other ranks longer than {deadline(comm):g} s ends the job with exit 75 "
-        "(--timeout, BURSTMPI_TIMEOUT); SIGINT/SIGTERM keep the rows done and exit 130/143",
+        "(--timeout, BURSTMPI_TIMEOUT); SIGINT/SIGTERM keep the rows done and exit 130/143" + threads_note(),
         "#  Columns: burstmpi-bench --legend" + (" --decode" if mode == "decode" else "")
         + " prints one line per column with its unit and definition",
         "#")
@@ -465,6 +475,7 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
             if show_progress:
                 progress(comm, i + 1, len(configs), row, time.perf_counter() - t0, time.perf_counter() - t_start,
                          sum(work[:i + 1]) / sum(work))
+            watchdog.checkpoint()  # below MPI_THREAD_MULTIPLE a signal's report and abort wait for this thread
         with guard.lock:
             guard.finish()  # a signal from here on lets the run end with its own status
     sys.exit(results.finish(comm, **end))

@@ -104,9 +104,9 @@ def _filled_cache(comm, cfg, seed, dev, window, extra, N=None, timeout=None):
     P, rank = comm.Get_size(), comm.Get_rank()
     B, Zkv, d = cfg["batch"], cfg["kv_heads"], cfg["head_dim"]
     dt = np_dtype(cfg["dtype"])
-    # The cache on a plain communicator with the bench's handle: the runtime duplicates it, and
-    # mpi4py's Dup makes an object of the caller's class, which watchdog.GuardedComm cannot be
-    # made as (its constructor wants the communicator); the cache has its own deadline.
+    # The cache on a plain communicator with the bench's handle, as a user's program gives it:
+    # its runtime's duplicate is then a plain one too (every wait of the cache has its own
+    # deadline, ``timeout``; ``ring_prepare`` uses the watchdog's collectives on it).
     cache = KVCache(MPI.Intracomm(comm), capacity=capacity(cfg, window, extra, N), batch=B, kv_heads=Zkv, head_dim=d,
                     dtype=dt, window=window, sinks=cfg.get("sinks") or 0, backend=dev.backend, timeout=timeout)
     piece = piece_tokens(cfg, P)
@@ -128,14 +128,15 @@ def ring_prepare(cache):
     rt = cache.runtime
     xp = rt.backend.xp
     k, v, pos = cache.shard()
-    # The cache's own communicator is not the bench's guarded one: its deadline, by hand.
-    with watchdog.guard("burstmpi-bench --decode: the ring way's shard sizes (allgather)", rt.timeout):
-        ns = rt.comm.allgather(int(pos.size))
+    # The cache's own communicator is not the bench's guarded one: the watchdog's allgather,
+    # with the cache's deadline (mpi4py's pickled one blocks where no deadline reaches it).
+    ns = watchdog.allgather(rt.comm, int(pos.size), rt.timeout, "burstmpi-bench --decode: the ring way's shard sizes")
     B, Zkv, d, dv, S = cache.batch, cache.kv_heads, cache.head_dim, cache.v_head_dim, max(ns)
     fields = [("k", (B, Zkv, S, d), cache.dtype), ("v", (B, Zkv, S, dv), cache.dtype), ("kpos", (S,), np.int32)]
     (chan,) = rt.channels("decode-ring", [(Channel, fields, TAG_RING, +1)])
-    with watchdog.guard("burstmpi-bench --decode: the ring way's sink counts (allgather)", rt.timeout):
-        ns = list(zip(ns, rt.comm.allgather(int(np.count_nonzero(pos < cache.sinks)))))  # (rows, sinks first)
+    sinks = watchdog.allgather(rt.comm, int(np.count_nonzero(pos < cache.sinks)), rt.timeout,
+                               "burstmpi-bench --decode: the ring way's sink counts")
+    ns = list(zip(ns, sinks))  # (rows, sinks first)
     cur = chan.current
     cur["k"][:, :, :pos.size] = k.transpose(0, 2, 1, 3)
     cur["v"][:, :, :pos.size] = v.transpose(0, 2, 1, 3)

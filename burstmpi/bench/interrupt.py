@@ -25,8 +25,17 @@ and it may be inside a blocking MPI call or a compiled tile loop. Then:
 MPI_Abort, not an exit: an exit on one rank leaves the others in their collectives (or in
 ``MPI_Finalize``) until the watchdog's deadline, and hydra reports an exit by a signal's
 code as "BAD TERMINATION" with exit 9 at times (measured); MPI_Abort ends every rank and
-mpiexec returns its code. The thread calls MPI while the main thread may be inside MPI:
-mpi4py asks for MPI_THREAD_MULTIPLE, which MPICH and Open MPI give.
+mpiexec returns its code.
+
+The signal thread calls MPI itself only at MPI_THREAD_MULTIPLE (mpi4py asks for it, and
+MPICH and Open MPI give it). Below it (``MPI4PY_RC_THREAD_LEVEL=funneled`` or
+``serialized``; Cray MPICH's default is serialized) it hands the report and the abort to
+the main thread (``watchdog.on_callers_thread``), which takes them at its next poll of a
+transfer or collective (``watchdog.checkpoint``: within a millisecond while the rows run)
+or after a row. Should the main thread not come within ``GRACE_S`` (inside one long compiled
+loop, or a blocking MPI call), the rank ends by ``os._exit`` with the same code, without
+the report: the launcher then ends the job, and hydra returns that code or 9
+(``burstmpi._transport.watchdog.expiry``). The rank is read on the main thread beforehand.
 """
 
 import os
@@ -35,7 +44,8 @@ import sys
 import threading
 import time
 
-from .._transport.watchdog import abort
+from .._transport import watchdog
+from .._transport.watchdog import expiry
 
 __all__ = ["Interrupts", "SIGNALS", "GRACE_S", "exit_code"]
 
@@ -73,6 +83,7 @@ class Interrupts:
         self.comm, self.report = comm, report
         self.lock = threading.RLock()
         self.finished = False
+        self.rank = None  # read on the main thread (``__enter__``): the signal thread calls no MPI
         self._active = False
         self._outer = None
 
@@ -80,6 +91,8 @@ class Interrupts:
         self.finished = True
 
     def __enter__(self):
+        watchdog.remember()  # this rank's name and MPI's thread level, read here where MPI may be called
+        self.rank = self.comm.Get_rank()
         if _installed:
             outer = self._outer = _installed[0]
             with outer.lock:
@@ -91,13 +104,15 @@ class Interrupts:
         os.set_blocking(self._write, False)  # Python's C handler must never block
         self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._old = {s: signal.signal(s, _ignore) for s in SIGNALS}
-        self._thread = threading.Thread(target=self._watch, name="burstmpi-bench signals", daemon=True)
+        self._thread = watchdog.helper(threading.Thread(target=self._watch, name="burstmpi-bench signals",
+                                                        daemon=True))
         self._thread.start()
         self._active = True
         _installed.append(self)
         return self
 
     def __exit__(self, *exc):
+        watchdog.checkpoint()  # a signal whose report and abort were handed to this thread
         if self._outer is not None:
             with self._outer.lock:
                 self._outer.report = self._saved
@@ -127,25 +142,45 @@ class Interrupts:
 
     def _interrupted(self, sig):
         code = exit_code(sig)
-        if self.comm.Get_rank() == 0:
-            with self.lock:
-                if self.finished:  # the run's own results are being written: it ends by itself
-                    return
-                self.finished = True
-                try:
-                    self.report(sig.name)
-                except BaseException as e:  # the abort must happen whatever went wrong
-                    sys.stderr.write(f"# burstmpi-bench: writing the rows measured before {sig.name} failed: "
-                                     f"{type(e).__name__}: {e}\n")
-                sys.stdout.flush()
-                sys.stderr.flush()
-                # Still holding the lock: a row the main thread finishes meanwhile is neither
-                # printed nor kept after the report that leaves it out.
-                abort(code, self.comm)
+        if self.rank == 0:
+            # Here at MPI_THREAD_MULTIPLE, else on the main thread at its next poll.
+            if watchdog.on_callers_thread(lambda: self._report_and_abort(sig, code), GRACE_S) or self.finished:
+                return  # it found the run writing its own results (else it ended the job)
+            self._exit(code, f"got {sig.name}, and the main thread, the one that may call MPI "
+                             f"({watchdog.identity.level_name()}), did not come back from a compiled loop or a "
+                             f"blocking MPI call within {GRACE_S:.0f} s: ending without writing the rows")
         time.sleep(GRACE_S)
         if self.finished:
             return
-        sys.stderr.write(f"# burstmpi-bench: rank {self.comm.Get_rank()} got {sig.name}, and rank 0 did not end "
+        sys.stderr.write(f"# burstmpi-bench: rank {self.rank} got {sig.name}, and rank 0 did not end "
                          f"the job within {GRACE_S:.0f} s (did it get the signal?): aborting (exit {code})\n")
         sys.stderr.flush()
-        abort(code, self.comm)
+        if not watchdog.on_callers_thread(lambda: expiry.abort(code, self.comm), watchdog.ABORT_GRACE_S):
+            self._exit(code, f"the main thread ({watchdog.identity.level_name()}) did not come back from a "
+                             f"compiled loop or a blocking MPI call within {watchdog.ABORT_GRACE_S:.0f} s")
+
+    def _report_and_abort(self, sig, code):
+        """Rank 0: the rows so far (``report``) and the end of the job, unless the run is
+        writing its own results already. On a thread that may call MPI."""
+        with self.lock:
+            if self.finished:  # the run's own results are being written: it ends by itself
+                return
+            self.finished = True
+            try:
+                self.report(sig.name)
+            except BaseException as e:  # the abort must happen whatever went wrong
+                sys.stderr.write(f"# burstmpi-bench: writing the rows measured before {sig.name} failed: "
+                                 f"{type(e).__name__}: {e}\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # Still holding the lock: a row the main thread finishes meanwhile is neither
+            # printed nor kept after the report that leaves it out.
+            expiry.abort(code, self.comm)
+
+    def _exit(self, code, why):
+        """End this process without MPI (the launcher ends the others): the way out of a
+        thread that may not call MPI."""
+        sys.stderr.write(f"# burstmpi-bench: rank {self.rank}: {why}; exit {code}\n")
+        sys.stderr.flush()
+        os._exit(code)
+

@@ -16,6 +16,12 @@ Free memory is the smaller of the kernel's MemAvailable and what the process's c
 than ``--mem-limit`` per node when given (a nightly job sharing a node with others, or a
 test).
 
+Building a ``Budget`` and planning a row are collective; every wait has the watchdog's
+deadline (``watchdog.timeout_of``: the bench's ``--timeout`` on its communicator), the
+shared-memory split under ``watchdog.guard`` and the exchanges through its nonblocking
+collectives, whatever the communicator given (mpi4py's pickled ``allreduce`` would hold the
+GIL while it waits, and the watchdog could not end it).
+
 Each row's peak is measured, not guessed: the kernel's high-water mark of the resident
 set (``VmHWM``) is reset before the row (``/proc/self/clear_refs``) and read after, so a
 sweep's rows do not inherit the peak of a larger row before them; the estimate printed
@@ -28,6 +34,8 @@ import resource
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
+
+from .._transport import watchdog
 
 __all__ = ["FIT", "Stage", "Refused", "Budget", "node_free_bytes", "reset_peak", "peak_bytes", "rss_bytes"]
 
@@ -160,9 +168,12 @@ class Budget:
 
     def __init__(self, comm, limit=None, device_free=None, device_id=None):
         self.comm, self.limit, self.device_free = comm, limit, device_free
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            self.node = node.allreduce(comm.Get_rank(), op=MPI.MIN)  # the node's lowest rank names it
+        self.timeout = watchdog.timeout_of(comm)
+        with watchdog.guard("burstmpi-bench: the split of the ranks by node (memory)", self.timeout):
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:  # the node's lowest rank names it
+            self.node = min(watchdog.allgather(node, comm.Get_rank(), self.timeout,
+                                               "burstmpi-bench: the ranks of a node (memory)"))
             self.node_size = node.Get_size()
         finally:
             node.Free()
@@ -188,7 +199,8 @@ class Budget:
         free_host, free_dev, limited = self.free()
         mine = [(s.what, s.host if s.runs_on(rank) else 0, s.shared if s.runs_on(rank) else 0,
                  s.device if s.runs_on(rank) else 0) for s in stages]
-        everyone = comm.allgather((self.node, self.device_key, free_host, free_dev, limited, mine))
+        everyone = watchdog.allgather(comm, (self.node, self.device_key, free_host, free_dev, limited, mine),
+                                      self.timeout, f"burstmpi-bench: the memory plan of {label}")
         runs, lines, refused = {}, [], []
         for i, stage in enumerate(stages):
             worst = None  # (need, free, where, bound by --mem-limit) of the pool short the most

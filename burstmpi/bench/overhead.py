@@ -13,6 +13,10 @@ plan (a new runtime, node discovery, a cold workspace) on every call.
 
 Runs as a plain script too (``python -m mpi4py path/to/overhead.py``), against whichever
 ``burstmpi`` is first on ``sys.path``: that is how it measures an older checkout.
+
+Its barriers and its reduction of the times wait within the watchdog's deadline
+(``BURSTMPI_TIMEOUT``): the communicator is ``watchdog.guarded``, where the ``burstmpi``
+measured has one (a rank that dies ends the job with exit 75, not a hang).
 """
 
 import argparse
@@ -43,9 +47,24 @@ def _cpu_line():
         return "#  CPU: unknown"
 
 
+def _guarded(comm):
+    """``comm`` with the watchdog's deadline on its barrier and pickled collectives; as it is
+    where the ``burstmpi`` measured predates the watchdog (an older checkout)."""
+    try:
+        from burstmpi._config import settings
+        from burstmpi._transport.watchdog import GuardedComm, guarded
+    except ImportError:  # pragma: no cover - an older checkout
+        return comm
+    if isinstance(comm, GuardedComm):
+        return comm
+    return guarded(comm, settings().timeout, who="burstmpi.bench.overhead")
+
+
 def measure(comm, *, N=1024, B=1, H=8, D=64, dtype="float32", causal=True, layout="zigzag", calls=100,
             rounds=4, warmup=5):
-    """Per-call ms (maximum over ranks) of each round: ``{"api": [...], "plan": [...]}``."""
+    """Per-call ms (maximum over ranks) of each round: ``{"api": [...], "plan": [...]}``.
+    The calls run on ``comm``; the barriers and the maximum on a ``watchdog.guarded`` one."""
+    waits = _guarded(comm)  # the calls on ``comm`` itself, as a user's program makes them
     q, k, v, _ = ref.random_problem(B, N, H, H, D, dtype=np.dtype(dtype), seed=0)
     q, k, v = (burstmpi.shard(x, comm=comm, layout=layout) for x in (q, k, v))
     opts = dict(causal=causal, layout=layout)
@@ -65,11 +84,11 @@ def measure(comm, *, N=1024, B=1, H=8, D=64, dtype="float32", causal=True, layou
     for r in range(rounds):
         for name in (("api", "plan") if r % 2 == 0 else ("plan", "api")):
             run = runs[name]
-            comm.Barrier()
+            waits.Barrier()
             t0 = time.perf_counter()
             for _ in range(calls):
                 run()
-            dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            dt = waits.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             times[name].append(dt / calls * 1e3)
     release = getattr(burstmpi, "release_cached", None)
     if release is not None:

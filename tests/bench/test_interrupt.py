@@ -73,10 +73,32 @@ def _signal_after_first_row(cmd, sig, out, to_group=False, env=None, limit=240):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_keeps_the_rows_done_and_ends_the_job(tmp_path, sig):
+    _interrupted_run(tmp_path, sig)
+
+
+@alone
+@needs_mpiexec
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig, level", [(signal.SIGTERM, "funneled"), (signal.SIGINT, "serialized")],
+                         ids=["SIGTERM-funneled", "SIGINT-serialized"])
+def test_signal_below_thread_multiple_ends_the_job_from_the_main_thread(tmp_path, sig, level):
+    """Below MPI_THREAD_MULTIPLE the signal thread calls no MPI: it hands the report and
+    the abort to the main thread, which takes them at its next poll, so the rows done are
+    written and mpiexec returns 128 + signal as at the default level."""
+    out, err = _interrupted_run(tmp_path, sig, level)
+    assert f"; MPI at MPI_THREAD_{level.upper()}: " in out, out
+    assert "ending without writing the rows" not in err, err
+
+
+def _interrupted_run(tmp_path, sig, level=None):
+    """The bench under mpiexec -n 2 (at ``level``, ``MPI4PY_RC_THREAD_LEVEL``, where given)
+    and ``sig`` after its first row: the exit status, the footer, the JSON and the JUnit file
+    of an interrupted run. Returns its (stdout, stderr)."""
     js, junit = tmp_path / "run.json", tmp_path / "junit.xml"
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", "-m", "burstmpi.bench", *SWEEP,
            "-J", str(js), "--junit", str(junit)]
-    rc, out, err = _signal_after_first_row(cmd, sig, tmp_path / "out.txt")
+    env = dict(_env(), **({"MPI4PY_RC_THREAD_LEVEL": level} if level else {}))
+    rc, out, err = _signal_after_first_row(cmd, sig, tmp_path / "out.txt", env=env)
     name = signal.Signals(sig).name
     assert rc == 128 + sig, f"exit {rc}, expected {128 + sig}:\n{out}\n{err}"
     lines = out.splitlines()
@@ -98,6 +120,7 @@ def test_signal_keeps_the_rows_done_and_ends_the_job(tmp_path, sig):
     assert len(cases) == 7 and suite.get("failures") == "0" and suite.get("skipped") == str(7 - len(rows))
     assert sum(c.find("skipped") is None for c in cases) == len(rows)
     assert all(name in c.find("skipped").get("message") for c in cases[len(rows):])
+    return out, err
 
 
 @alone

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from mpi4py import MPI
 
+from ..._transport.watchdog import DEFAULT_TIMEOUT, allgather
+
 from .workspace import Workspace
 
 __all__ = ["Workers", "cores", "threads_per_rank", "node_masks", "shares_cores", "one_blas_thread"]
@@ -41,13 +43,14 @@ def threads_per_rank(comm, setting=0):
     return setting if setting > 0 else max(1, cores() // here)
 
 
-def node_masks(comm):
+def node_masks(comm, timeout=DEFAULT_TIMEOUT):
     """The affinity masks (frozensets of cores; None where the OS has none) of the ranks of
-    ``comm`` on this node, in node-rank order, and this rank's node rank (collective)."""
+    ``comm`` on this node, in node-rank order, and this rank's node rank (collective; the
+    split under the callers' ``guard``, the allgather within ``timeout`` seconds)."""
     mask = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return node.allgather(mask), node.Get_rank()
+        return allgather(node, mask, timeout, "the allgather of the node's cores"), node.Get_rank()
     finally:
         node.Free()
 
