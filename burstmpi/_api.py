@@ -11,7 +11,7 @@ from . import _plan_cache as plan_cache
 from ._config import settings
 from ._plan_cache import release_cached
 from ._transport.lifetime import private_comm
-from ._transport.watchdog import check_timeout, collective
+from ._transport.watchdog import check_caller_thread, check_timeout, collective
 from ._validate import agree, check_cu_seqlens, fingerprint, global_layout
 
 __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices", "release_cached"]
@@ -182,7 +182,8 @@ def unshard(x_local, *, comm=None, layout="contiguous", axis=1, cu_seqlens=None,
     with (the calls require it where it matters: ``shard``'s docstring)."""
     fn = "unshard"
     timeout = settings().timeout if timeout is None else check_timeout(fn, timeout)
-    comm = private_comm(_comm(comm), timeout)
+    check_caller_thread(fn)
+    comm = private_comm(_comm(comm), timeout, fn)
     error, h, cu = None, None, None
     try:
         _check_layout(fn, layout)

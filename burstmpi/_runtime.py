@@ -32,7 +32,7 @@ from ._transport.shm import NoRoom, transport_for, unlink_node_segments
 from ._transport.slowlinks import SlowLinksTransport, refuse_device_arrays
 from ._validate import agree
 
-__all__ = ["Runtime", "kernel_ready", "check_thread"]
+__all__ = ["Runtime", "kernel_ready"]
 
 BACKENDS = ("auto", "cpu", "cuda", "numpy")  # "numpy": the CPU backend's old name (a warning)
 TRANSPORTS = ("auto", "nccl", "mpi", "shm")
@@ -82,7 +82,7 @@ class Runtime:
             raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
         if self.user_comm == MPI.COMM_NULL:
             raise ValueError(f"{fn}: comm: expected a live intracommunicator, got MPI.COMM_NULL (a freed one?)")
-        check_thread(fn)
+        watchdog.check_caller_thread(fn)
         self.settings = cfg
         # Every wait on other ranks ends within this many seconds (``transport.watchdog``).
         self.timeout = cfg.timeout
@@ -124,7 +124,7 @@ class Runtime:
         switch between host and GPU). ``options`` are the plan's (name, value) pairs, agreed
         on before the GPU set-up's collectives so a rank that disagrees raises, not hangs."""
         self.state.check(fn)  # the caller freed the communicator: the same error on every rank
-        check_thread(fn)
+        watchdog.check_caller_thread(fn)
         watchdog.entering(fn)
         # Plans on one communicator share its shared-window transport: each call waits
         # with its own plan's deadline.
@@ -383,19 +383,3 @@ class Runtime:
         free = getattr(self.backend, "release", None)  # host memory only: local
         if free is not None:
             free()
-
-
-def check_thread(fn):
-    """Refuse a call from a thread MPI does not allow to call it: below
-    ``MPI_THREAD_MULTIPLE`` only the thread that initialised MPI may (``FUNNELED``; at
-    ``SERIALIZED`` any one at a time, which burstmpi cannot promise beside the caller's own
-    threads). Local: a collective from this thread is what would be wrong."""
-    level = MPI.Query_thread()
-    if level < MPI.THREAD_MULTIPLE and not MPI.Is_thread_main():
-        import threading
-
-        raise RuntimeError(
-            f"{fn}: called from thread {threading.current_thread().name!r}, not the one that initialised MPI, "
-            f"at {watchdog.level_name(level)}: expected MPI_THREAD_MULTIPLE for calls from other threads (set "
-            "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI, or MPI4PY_RC_THREAD_LEVEL=multiple; "
-            "mpi4py's default), or call burstmpi from the main thread")

@@ -61,6 +61,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _plan_cache as plan_cache
+from ._transport import watchdog
 from ._validate import check_cu_seqlens, fingerprint
 
 __all__ = ["attention"]
@@ -153,10 +154,6 @@ def _check_devices_at_trace():
     _refuse_devices(min(per_call, jax.local_device_count()), "jax.shard_map or jax.pmap")
 
 
-_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
-           MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED", MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
-
-
 def _check_thread_level():
     """Refuse, when the program is traced, an MPI below ``MPI_THREAD_MULTIPLE``. XLA runs the
     callbacks (both paths, eagerly and under jit) on this thread or on threads of its own,
@@ -164,17 +161,8 @@ def _check_thread_level():
     finished (measured with JAX 0.10: ``tests/adapters/test_adapter_threads.py``), while
     this thread goes on and may itself call MPI. Only ``MPI_THREAD_MULTIPLE`` allows that;
     and no error then comes from inside XLA."""
-    if not MPI.Is_initialized() or MPI.Is_finalized():
-        return  # the plan's own checks say what is wrong
-    level = MPI.Query_thread()
-    if level >= MPI.THREAD_MULTIPLE:
-        return
-    raise RuntimeError(
-        f"{_NAME}: MPI thread level: expected MPI_THREAD_MULTIPLE, got {_LEVELS.get(level, level)}: XLA runs "
-        "the callbacks that make burstmpi's MPI calls on threads of its own, while this thread goes on, which "
-        "MPI allows only at MPI_THREAD_MULTIPLE. Ask for it before MPI starts: mpi4py.rc.thread_level = "
-        "\"multiple\" before `from mpi4py import MPI`, or MPI4PY_RC_THREAD_LEVEL=multiple in the environment "
-        "(mpi4py's default); an MPI that gives less when asked lacks thread support")
+    watchdog.require_multiple(_NAME, "XLA runs the callbacks that make burstmpi's MPI calls on threads of its own, "
+                                     "while this thread goes on")
 
 
 def _lower_ordered(ctx, *args, callback, host, result_avals):

@@ -21,7 +21,6 @@ ImportError that says so.
 """
 
 import contextlib
-import threading
 
 try:
     import torch
@@ -32,40 +31,22 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from mpi4py import MPI
 
 from . import _plan_cache as plan_cache
+from ._transport import watchdog
 
 __all__ = ["attention"]
 
 _NAME = "burstmpi.torch.attention"
-_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
-           MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED", MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
-_ASK = ("ask for it before MPI starts: mpi4py.rc.thread_level = \"multiple\" before `from mpi4py import MPI`, or "
-        "MPI4PY_RC_THREAD_LEVEL=multiple in the environment (mpi4py's default); an MPI that gives less when "
-        "asked lacks thread support")
-
-
 def _check_thread(what, cuda_backward=False):
     """Refuse, before any MPI call, what MPI forbids below ``MPI_THREAD_MULTIPLE``: a call
-    from a thread other than the one that initialised MPI (at ``MPI_THREAD_SERIALIZED`` it
-    is allowed only where no other thread calls MPI meanwhile, which burstmpi cannot know of
-    the caller's threads). ``cuda_backward``: the backward will need MPI on another thread,
-    as torch's autograd engine runs the backward of CUDA tensors on a thread of its own per
-    device (that of CPU tensors on the thread that calls ``backward()``: measured by
-    ``tests/adapters/test_adapter_threads.py``), so the forward refuses it early."""
-    if not MPI.Is_initialized() or MPI.Is_finalized():
-        return  # the plan's own checks say what is wrong
-    level = MPI.Query_thread()
-    if level >= MPI.THREAD_MULTIPLE:
-        return
-    thread = threading.current_thread().name
+    from a thread other than the one that initialised MPI. ``cuda_backward``: the backward
+    will need MPI on another thread, as torch's autograd engine runs the backward of CUDA
+    tensors on a thread of its own per device (that of CPU tensors on the thread that calls
+    ``backward()``: measured by ``tests/adapters/test_adapter_threads.py``), so the forward
+    refuses it early."""
     if cuda_backward:
-        why = ("the backward of CUDA tensors that require grad runs on torch's autograd thread of the device, "
-               "not on the thread that initialised MPI")
-    elif not MPI.Is_thread_main():
-        why = f"{what} runs on thread {thread!r}, not on the thread that initialised MPI"
-    else:
-        return
-    raise RuntimeError(f"{_NAME}: MPI thread level: expected MPI_THREAD_MULTIPLE, got {_LEVELS.get(level, level)}: "
-                       f"{why}, which MPI allows only at MPI_THREAD_MULTIPLE; {_ASK}")
+        watchdog.require_multiple(_NAME, "the backward of CUDA tensors that require grad runs on torch's autograd "
+                                         "thread of the device, not on the thread that initialised MPI")
+    watchdog.check_caller_thread(_NAME, what)
 
 
 def _options(causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout):

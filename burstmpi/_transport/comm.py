@@ -18,7 +18,6 @@ A channel moves its buffers through a transport (``mpi``, ``shm``, ``nccl``).
 """
 
 import numpy as np
-from mpi4py import MPI
 
 
 __all__ = ["Channel", "PartialChannel", "field_bytes", "Packet", "packed_fields",

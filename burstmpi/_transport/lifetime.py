@@ -110,32 +110,38 @@ class CommState:
         self._attached = {}        # name -> object with ``teardown(collective)``
         self._dependents = weakref.WeakValueDictionary()  # serial -> a runtime on this state
         self._dependent_serial = itertools.count()
+        # Held across a check and the collective that makes what was missing: two threads
+        # (at MPI_THREAD_MULTIPLE) must not both make it, or the ranks' collectives differ.
+        self._making = threading.RLock()
 
     # -- what the state holds -------------------------------------------------------------
 
     def check(self, fn):
         """Raise ``CommunicatorFreed`` naming ``fn`` if this state was torn down."""
         if self.freed is not None:
-            raise CommunicatorFreed(f"{fn}: comm: the communicator this was made on {self.freed}; make the plan "
-                                    "or cache again on a live communicator")
+            raise CommunicatorFreed(f"{fn}: comm: expected a live communicator, got one that {self.freed}; make "
+                                    "the plan or cache again on a live communicator")
 
     def private(self, timeout=DEFAULT_TIMEOUT):
         """burstmpi's duplicate of the caller's communicator, made on first use (collective,
         within ``timeout`` seconds)."""
         self.check("burstmpi")
         self.timeout = timeout
-        if self._private is None:
-            caller = MPI.Comm.f2py(self.handle)
-            # Nonblocking, completed by the watchdog's polls on this thread: an expiry then
-            # ends the job from here, at any thread level (a guard's monitor thread could only
-            # end this process below MPI_THREAD_MULTIPLE).
-            dup, request = caller.Idup()
-            collective(caller, [request], timeout,
-                       "MPI_Comm_idup of the caller's communicator (a rank did not make its first burstmpi call?)")
-            _mark(dup, self, "private")
-            count("communicators")
-            self._private = dup
-        return self._private
+        with self._making:
+            return self._private if self._private is not None else self._duplicate(timeout)
+
+    def _duplicate(self, timeout):
+        """Make the private duplicate (``private``). Nonblocking, completed by the watchdog's
+        polls on this thread: an expiry then ends the job from here, at any thread level (a
+        guard's monitor thread could only end this process below MPI_THREAD_MULTIPLE)."""
+        caller = MPI.Intracomm.f2py(self.handle)
+        dup, request = caller.Idup()
+        collective(caller, [request], timeout,
+                   "MPI_Comm_idup of the caller's communicator (a rank did not make its first burstmpi call?)")
+        _mark(dup, self, "private")
+        count("communicators")
+        self._private = dup
+        return dup
 
     def split(self, purpose, colors, timeout=DEFAULT_TIMEOUT):
         """``private.Split(color, key)`` for each (color, key) of ``colors``, made once per
@@ -157,12 +163,10 @@ class CommState:
         everything made earlier (with ``collective`` False it only forgets the object, and
         lowers ``live``'s counts)."""
         self.check("burstmpi")
-        with _lock:
+        with self._making:
             got = self._resources.get(key)
-        if got is None:
-            obj = make()
-            with _lock:
-                got = self._resources.setdefault(key, (obj, free))
+            if got is None:
+                got = self._resources[key] = (make(), free)
         return got[0]
 
     def attach(self, name, make):
@@ -199,7 +203,7 @@ class CommState:
         ``live`` go down either way: MPI_Finalize frees the objects). Returns ``Released``."""
         if self.freed is not None:
             return Released(0, 0, 0, 0, "")
-        before = dict(_counts)
+        before = Counter(_counts)
         plans = 0
         for obj in reversed(list(self._attached.values())):
             plans += obj.teardown(collective) or 0
@@ -255,7 +259,7 @@ def _deleted(comm, keyval, state):
     try:
         state.teardown(collective=not _exiting and not MPI.Is_finalized(),
                        reason="was freed (MPI_Comm_free)")
-    except BaseException as e:  # pragma: no cover - printed, never raised into MPI
+    except Exception as e:  # pragma: no cover - printed, never raised into MPI
         sys.stderr.write(f"burstmpi: freeing what it kept for a communicator failed: {type(e).__name__}: {e}\n")
     return MPI.SUCCESS
 
@@ -282,11 +286,20 @@ def state_of(comm, create=True):
     return state
 
 
-def private_comm(comm, timeout=DEFAULT_TIMEOUT):
+def _live(fn, comm):
+    """``comm``'s state, or TypeError/ValueError naming ``fn`` where it cannot have one."""
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"{fn}: comm: expected an mpi4py intracommunicator, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError(f"{fn}: comm: expected a live intracommunicator, got MPI.COMM_NULL (a freed one?)")
+    return state_of(comm)
+
+
+def private_comm(comm, timeout=DEFAULT_TIMEOUT, fn="burstmpi"):
     """burstmpi's duplicate of ``comm``: library traffic on it never matches the caller's.
     Made once per communicator (collective on the first call, within ``timeout`` seconds)
-    and freed with it."""
-    return state_of(comm).private(timeout)
+    and freed with it; ``fn`` names the caller in errors."""
+    return _live(fn, comm).private(timeout)
 
 
 def split_once(comm, purpose, colors, timeout=DEFAULT_TIMEOUT):
@@ -313,9 +326,11 @@ def release(comm, timeout=DEFAULT_TIMEOUT):
     objects (the cached plans) and the memory of the resources (a shared window, made again
     by the next call that needs it) go, the communicators stay, and ``Released.kept`` says
     why. Returns ``Released``."""
+    _live("release_cached", comm)
     state = state_of(comm, create=False)
     if state is None or state.freed is not None:
         return Released(0, 0, 0, 0, "")
+    before = Counter(_counts)  # what the cached plans' release frees counts too
     plans = 0
     for obj in reversed(list(state._attached.values())):
         plans += obj.teardown(True) or 0
@@ -325,16 +340,15 @@ def release(comm, timeout=DEFAULT_TIMEOUT):
     alive = [mine] if private is None or state.size == 1 else allgather(
         private, mine, timeout, "release_cached: the count of every rank's live plans")
     if any(alive):
-        windows = _counts["windows"]
         for obj, _ in reversed(list(state._resources.values())):
             if getattr(obj, "arena", None) is not None:  # a shared window: collective, as this call
                 with guard("release_cached: the release of the ring buffers' shared window (collective)", timeout):
                     obj.free()
-        return Released(plans, 0, windows - _counts["windows"], 0,
+        return Released(plans, 0, before["windows"] - _counts["windows"], 0,
                         f"{sum(alive)} plan(s) made on this communicator are still alive (by rank: {alive}): "
                         "its duplicate, splits and NCCL communicators stay until it is freed")
     done = state.teardown(True, "was released (burstmpi.release_cached)")
-    return done._replace(plans=plans + done.plans)
+    return Released(plans + done.plans, *(before[k] - _counts[k] for k in ("communicators", "windows", "nccl")), "")
 
 
 def states():
@@ -345,7 +359,7 @@ def states():
 
 def release_all(timeout=DEFAULT_TIMEOUT):
     """``release`` of every state, in the order they were made: ``[(handle, Released)]``."""
-    return [(s.handle, release(MPI.Comm.f2py(s.handle), timeout)) for s in states() if s.freed is None]
+    return [(s.handle, release(MPI.Intracomm.f2py(s.handle), timeout)) for s in states() if s.freed is None]
 
 
 def _local_teardown(reason):
@@ -354,7 +368,7 @@ def _local_teardown(reason):
         try:
             state.teardown(collective=False, reason=reason)
             if _KEYVAL is not None and not MPI.Is_finalized():
-                MPI.Comm.f2py(state.handle).Delete_attr(_KEYVAL)  # its callback then has nothing to do
+                MPI.Intracomm.f2py(state.handle).Delete_attr(_KEYVAL)  # its callback then has nothing to do
         except Exception:  # pragma: no cover - nothing at exit may raise
             pass
 
@@ -375,7 +389,7 @@ def _at_finalize(comm, keyval, value):
     _exiting = True
     try:
         _local_teardown("was dropped at MPI_Finalize")
-    except BaseException:  # pragma: no cover
+    except Exception:  # pragma: no cover - nothing may escape into MPI_Finalize
         pass
     return MPI.SUCCESS
 

@@ -13,15 +13,16 @@ where torch or JAX is installed (``--adapters``), and then frees the communicato
 
 Every ``--report`` seconds rank 0 prints a line: the round, resident memory (the largest
 rank's), the shared memory the job maps (``/dev/shm``, the largest rank's) and the files
-there, what burstmpi holds (``_transport.lifetime.live``: states, communicators, windows,
+there, how many more communicators MPI can make (``_communicators_left``: MPI's own count,
+which a leak burstmpi's counts miss would lower), what burstmpi holds (``_transport.lifetime.live``: states, communicators, windows,
 NCCL communicators, summed over ranks) and the plan cache's counts. After the warm-up
 (``--warmup`` rounds: every option set runs at least once, so the caches are full) the
 first line is the baseline, and the run fails when, at any report or at the end:
 
 - a value is wrong (exit 1);
-- what burstmpi holds between rounds differs from the baseline, resident memory grew by
-  more than ``--rss-growth`` MB, or the job maps more shared memory (exit 3, as the bench's
-  regression mode).
+- MPI can make fewer communicators, what burstmpi holds between rounds differs from the
+  baseline, resident memory grew by more than ``--rss-growth`` MB, or the job maps more
+  shared memory (exit 3, as the bench's regression mode).
 
 Every wait on other ranks has the watchdog's deadline (``--timeout``; exit 75).
 """
@@ -42,6 +43,7 @@ from .._plan_cache import MAX_PLANS, stats as cache_stats
 from .._transport import lifetime, watchdog
 from ..masks import Sinks
 from .common import TOLERANCE
+from .memory import rss_bytes
 
 __all__ = ["main", "OPTION_SETS", "soak"]
 
@@ -65,14 +67,6 @@ OPTION_SETS = [
 ]
 LENGTHS = (37, 64, 91)  # tokens per rank of the world: odd and even, different plans' shapes
 HEADS, HEAD_DIM = 4, 16
-
-
-def _rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _shm_mapped_bytes(maps="/proc/self/maps"):
@@ -147,7 +141,9 @@ def _objects(comm, round_no, check):
     q, k, v, do, _ = _problem(round_no, MPI.COMM_WORLD.Get_size(), {})
     sh = lambda x: burstmpi.shard(x, comm=comm, layout="zigzag")
     ql, kl, vl = sh(q), sh(k), sh(v)
-    plan = burstmpi.BurstAttention(comm, causal=True, layout="zigzag")
+    # Head parallelism (its splits and the groups' ring) where the ranks pair up.
+    heads = 2 if comm.Get_size() % 2 == 0 and round_no % 2 == 0 else 1
+    plan = burstmpi.BurstAttention(comm, causal=True, layout="zigzag", head_parallel=heads)
     out, _ = plan.forward(ql, kl, vl)
     plan.release()
     N = q.shape[1]
@@ -195,13 +191,31 @@ def _adapters(comm, round_no, check, which):
     return wrong
 
 
+def _communicators_left(most=4096):
+    """How many more communicators MPI can make now (collective): every rank duplicates
+    ``COMM_WORLD`` until MPI refuses (an error every rank gets alike: MPICH agrees on the
+    context id), up to ``most``, then frees them. MPI's own count, not burstmpi's."""
+    made = []
+    try:
+        with watchdog.guard("burstmpi-soak: counting the communicators MPI can still make", settings().timeout):
+            while len(made) < most:
+                made.append(MPI.COMM_WORLD.Dup())
+    except MPI.Exception:
+        pass
+    with watchdog.guard("burstmpi-soak: freeing the counted communicators", settings().timeout):
+        for c in made:
+            c.Free()
+    return len(made)
+
+
 def _measure(world):
     """(resident bytes, mapped shared bytes: the largest rank's; /dev/shm files; what
     burstmpi holds, summed over ranks; the plan cache's counts, summed)."""
+    left = _communicators_left()
     live = lifetime.live()
-    mine = (_rss_bytes(), _shm_mapped_bytes(), _shm_files(), tuple(live.values()), tuple(cache_stats()))
+    mine = (rss_bytes(), _shm_mapped_bytes(), _shm_files(), tuple(live.values()), tuple(cache_stats()))
     every = world.allgather(mine)
-    return dict(rss=max(e[0] for e in every), shm=max(e[1] for e in every), files=max(e[2] for e in every),
+    return dict(left=left, rss=max(e[0] for e in every), shm=max(e[1] for e in every), files=max(e[2] for e in every),
                 held=dict(zip(live, (sum(e[3][i] for e in every) for i in range(len(live))))),
                 cache=[sum(e[4][i] for e in every) for i in range(len(mine[4]))])
 
@@ -210,13 +224,16 @@ def _line(rnd, elapsed, m, err_rounds):
     held = " ".join(f"{k} {v}" for k, v in m["held"].items())
     plans, hits, misses, evictions, buf, kept = m["cache"]
     return (f"round {rnd:7d}  {elapsed / 60:7.1f} min  rss {m['rss'] / 2**20:7.1f} MB  shm {m['shm'] / 2**20:6.1f} MB "
-            f"({m['files']} files)  held: {held}  cache: {plans} plans {hits} hits {misses} misses {evictions} "
+            f"({m['files']} files)  MPI comms left {m['left']}  held: {held}  cache: {plans} plans {hits} hits {misses} misses {evictions} "
             f"evictions {(buf + kept) / 2**20:.1f} MB  checked {err_rounds}")
 
 
 def _growth(base, m, rss_growth):
     """Why ``m`` grew past ``base`` (a list of reasons; empty when it did not)."""
     why = []
+    if m["left"] < base["left"]:
+        why.append(f"MPI can make {base['left'] - m['left']} fewer communicators than at the baseline "
+                   f"({m['left']} of {base['left']}): communicators leak")
     if m["held"] != base["held"]:
         why.append(f"burstmpi holds {m['held']} between rounds, {base['held']} at the baseline")
     if m["rss"] - base["rss"] > rss_growth * 2**20:
@@ -237,7 +254,7 @@ def soak(seconds, *, warmup, check_every, report_s, rss_growth, adapters, out=pr
     rank0 = world.Get_rank() == 0
     say = out if rank0 else (lambda *a, **k: None)
     start = time.monotonic()
-    base, rnd, last, checked = None, 0, 0.0, 0
+    base, rnd, last, checked, warm = None, 0, 0.0, 0, 0.0
     while True:
         rnd += 1
         check = rnd % check_every == 0 or rnd <= len(OPTION_SETS)
@@ -250,6 +267,8 @@ def soak(seconds, *, warmup, check_every, report_s, rss_growth, adapters, out=pr
             if rnd % 3 == 0:
                 wrong += _functional(comm, rnd + 1, check)
             wrong += _objects(comm, rnd, check) + _adapters(comm, rnd, check, adapters)
+            if rnd % 5 == 0:  # what a program that keeps its communicator calls now and then
+                burstmpi.release_cached(comm)
         finally:
             with watchdog.guard("burstmpi-soak: freeing the round's communicator (and what burstmpi kept for it)",
                                 timeout):
@@ -257,24 +276,25 @@ def soak(seconds, *, warmup, check_every, report_s, rss_growth, adapters, out=pr
         checked += check
         now = time.monotonic()
         every = world.allgather((wrong, now - start))
-        wrong, elapsed = [w for ws, _ in every for w in ws], every[0][1]
+        wrong, elapsed = [w for ws, _ in every for w in ws], every[0][1] - warm
         if wrong:
             say(f"burstmpi-soak: FAILED at round {rnd}: wrong values: " + "; ".join(dict.fromkeys(wrong)))
             return EXIT_WRONG
         done = base is not None and elapsed >= seconds
         if rnd == warmup or done or (base is not None and elapsed - last >= report_s):
             m = _measure(world)
-            last = elapsed
             if base is None:
-                base = m
-                say("# the baseline, after the warm-up:")
+                base, warm, elapsed = m, elapsed, 0.0  # the run's time starts here
+                say(f"# the baseline, after the warm-up ({warm / 60:.1f} min):")
+            last = elapsed
             say(_line(rnd, elapsed, m, checked))
             why = _growth(base, m, rss_growth)
             if why:
                 say(f"burstmpi-soak: FAILED at round {rnd}: " + "; ".join(why))
                 return EXIT_GROWTH
         if done:
-            say(f"burstmpi-soak: passed: {rnd} rounds in {elapsed / 60:.1f} min, {checked} checked against "
+            say(f"burstmpi-soak: passed: {rnd} rounds ({rnd - warmup} in {elapsed / 60:.1f} min after the warm-up), "
+                f"{checked} checked against "
                 f"float64; nothing grew past the baseline (resident memory within {rss_growth} MB)")
             return 0
 
@@ -288,7 +308,7 @@ def _installed(name):
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))
 @click.option("--minutes", type=float, default=None, help="Run this long after the warm-up.")
 @click.option("--hours", type=float, default=None, help="Run this long after the warm-up.")
-@click.option("--warmup", default=2 * len(OPTION_SETS), show_default=True,
+@click.option("--warmup", default=2 * len(OPTION_SETS), show_default=True, type=click.IntRange(1),
               help="Rounds before the baseline (every option set at least once).")
 @click.option("--check-every", default=10, show_default=True, help="Check against float64 every this many rounds.")
 @click.option("--report", "report_s", default=60.0, show_default=True, help="Seconds between report lines.")

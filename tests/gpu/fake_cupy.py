@@ -585,8 +585,14 @@ class FakeNcclComm:
     def abort(self):
         pass
 
+    destroyed = 0  # destroy() calls, over every communicator (NCCL's lifetime's test counts them)
+
     def destroy(self):
-        pass
+        """Free the duplicate, as NCCL frees its resources (collective over ``comm``: burstmpi
+        destroys at its state's teardown, which every rank reaches alike)."""
+        if self.mpi != MPI.COMM_NULL:
+            self.mpi.Free()
+            FakeNcclComm.destroyed += 1
 
 
 # -- installing it where burstmpi looks ------------------------------------------------------------

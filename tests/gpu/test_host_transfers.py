@@ -32,6 +32,7 @@ from burstmpi import _transfers
 from burstmpi import reference as ref
 from burstmpi._backends.cupy_backend import CupyBackend
 from burstmpi._transfers import Transfers
+from burstmpi._transport import lifetime
 from burstmpi.masks import BlockSparse, Causal
 from conftest import COMM, NRANKS, RANK, REPORTS, check_close
 
@@ -318,3 +319,21 @@ def test_host_transfers_mpi_grow_with_steps_not_length(gpu, how):
         assert (small.d2h, small.h2d, small.syncs) == (large.d2h, large.h2d, large.syncs)
         assert (small.syncs > 0) == (NRANKS > 1)
         assert (small.d2h > 0) == (NRANKS > 1 and how == "staged")
+
+
+def test_host_transfers_nccl_communicators_go_with_the_callers(gpu):
+    """NCCL communicators belong to the state of the caller's communicator
+    (``_transport.lifetime``): freeing it destroys them, before burstmpi's own duplicate
+    they were made over, and nothing is left."""
+    before, destroyed = lifetime.live(), fake.FakeNcclComm.destroyed
+    c = COMM.Dup()
+    q = gpu.asarray(burstmpi.shard(ref.random_problem(1, 8 * NRANKS, 2, 2, D, seed=1)[0], comm=c, layout="zigzag"))
+    plan = burstmpi.BurstAttention(c, causal=True, layout="zigzag")
+    plan.forward(q, q, q)
+    assert plan.transport.name == "nccl"
+    made = lifetime.live()["nccl"] - before["nccl"]
+    assert made >= 1
+    c.Free()
+    assert lifetime.live() == before
+    assert fake.FakeNcclComm.destroyed - destroyed == made
+

@@ -54,7 +54,8 @@ from .expiry import (ABORT_GRACE_S, CALLER_GRACE_S, EXIT_EXCEPTION, EXIT_TIMEOUT
                      end_job, expire, linger, on_callers_thread)
 from .guarded_comm import GuardedComm, guarded, timeout_of
 from .hosts import _hosts, _me, _world_ranks, learn_hosts, who
-from .identity import _call, entering, helper, leaving, level_name, may_call_mpi, remember
+from .identity import (_call, check_caller_thread, entering, helper, leaving, level_name, may_call_mpi, remember,
+                       require_multiple)
 from .monitor import _Monitor, guard
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_EXCEPTION", "DEFAULT_TIMEOUT", "PREFIX", "complete", "guard", "guarded",
@@ -62,4 +63,5 @@ __all__ = ["EXIT_TIMEOUT", "EXIT_EXCEPTION", "DEFAULT_TIMEOUT", "PREFIX", "compl
            "expire", "abort", "entering", "leaving", "learn_hosts", "who", "check_timeout", "install_excepthook",
            # threads below MPI_THREAD_MULTIPLE (``identity``, ``expiry``)
            "checkpoint", "on_callers_thread", "end_job", "helper", "may_call_mpi", "remember", "level_name",
+           "require_multiple", "check_caller_thread",
            "timeout_of"]

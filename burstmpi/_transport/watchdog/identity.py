@@ -72,6 +72,33 @@ def may_call_mpi():
     return level != MPI.THREAD_FUNNELED or threading.current_thread() is threading.main_thread()
 
 
+# How a program asks for MPI_THREAD_MULTIPLE (every refusal below says it).
+ASK_MULTIPLE = ("ask for it before MPI starts: mpi4py.rc.thread_level = \"multiple\" before `from mpi4py import MPI`, "
+                "or MPI4PY_RC_THREAD_LEVEL=multiple in the environment (mpi4py's default); an MPI that gives less "
+                "when asked lacks thread support")
+
+
+def require_multiple(fn, why):
+    """Raise RuntimeError naming ``fn`` where MPI's thread level is below
+    ``MPI_THREAD_MULTIPLE``: ``why`` says which thread would call MPI. Local, and before any
+    MPI call: a collective from such a thread is what would be wrong."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return  # the call's own checks say what is wrong
+    level = MPI.Query_thread()  # MPI_Query_thread may be called from any thread
+    if level < MPI.THREAD_MULTIPLE:
+        raise RuntimeError(f"{fn}: MPI thread level: expected MPI_THREAD_MULTIPLE, got {level_name(level)}: {why}, "
+                           f"which MPI allows only at MPI_THREAD_MULTIPLE; {ASK_MULTIPLE}")
+
+
+def check_caller_thread(fn, what="the call"):
+    """``require_multiple`` where this thread is not the one that initialised MPI (at
+    ``MPI_THREAD_SERIALIZED`` another thread may call, but only where no other one calls
+    meanwhile, which burstmpi cannot know of the caller's threads)."""
+    if MPI.Is_initialized() and not MPI.Is_finalized() and not MPI.Is_thread_main():
+        require_multiple(fn, f"{what} runs on thread {threading.current_thread().name!r}, not on the thread that "
+                             "initialised MPI")
+
+
 def entering(name):
     """This rank enters the burstmpi call ``name`` (``BurstAttention.forward``,
     ``KVCache.decode``, ...; ``Runtime.begin``), named in the watchdog's line until
