@@ -112,7 +112,9 @@ def _devices_per_call(axis_context):
     manual = getattr(axis_context, "manual_axes", None)
     mesh = getattr(axis_context, "mesh", None)
     if not manual or mesh is None:
-        return 1
+        # JAX releases that lower pmap the older way give a replica context: one call per replica.
+        replicas = getattr(getattr(axis_context, "axis_env", None), "nreps", 1) or 1
+        return min(int(replicas), jax.local_device_count())
     per_call = math.prod(mesh.shape[a] for a in manual)
     try:
         devices = np.ravel(mesh.devices)  # a concrete mesh's: count this process's own
