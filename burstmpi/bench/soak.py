@@ -1,6 +1,6 @@
 """burstmpi-soak: run burstmpi the way a job that lasts for days does, and fail on growth.
 
-    mpiexec -n 4 burstmpi-soak --minutes 1            # what CI runs (tests/bench/test_soak.py)
+    mpiexec -n 2 burstmpi-soak --minutes 0.5          # what CI runs (tests/bench/test_soak.py)
     mpiexec -n 4 burstmpi-soak --hours 8 --report 600 # the nightly job's, or a user's own
 
 Every round makes a communicator (a duplicate of the world, or every other round a split
