@@ -28,7 +28,8 @@ from ._transport import watchdog
 from ._transport.lifetime import state_of
 from ._transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 from ._transport.nodes import nodes
-from ._transport.shm import NoRoom, transport_for, unlink_node_segments
+from ._transport.segments import unlink_node_segments
+from ._transport.shm import NoRoom, transport_for
 from ._transport.slowlinks import SlowLinksTransport, refuse_device_arrays
 from ._validate import agree
 

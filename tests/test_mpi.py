@@ -79,6 +79,29 @@ def printed_checks(what, out, limit):
     return lines
 
 
+def segments_left(since):
+    """MPICH node segments (``/dev/shm/mpich_shm_*``) made after ``since`` (a ``time.time()``)
+    that no live process maps: what a finished job left behind. A job that runs meanwhile
+    maps its own, so it does not count."""
+    import glob
+
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped |= {line.split(None, 5)[5].strip() for line in f if "/dev/shm/mpich_shm_" in line}
+        except (OSError, IndexError):
+            pass
+    left = []
+    for path in glob.glob("/dev/shm/mpich_shm_*"):
+        try:
+            if os.stat(path).st_mtime >= since and path not in mapped:
+                left.append(path)
+        except OSError:  # removed meanwhile
+            pass
+    return left
+
+
 def mpiexec(n, args, timeout, expect_hang=False, via_mpi4py=True, **env_extra):
     """Run ``mpiexec -n n python -m mpi4py ARGS`` (without ``-m mpi4py`` if not
     ``via_mpi4py``); return (returncode, output, seconds).

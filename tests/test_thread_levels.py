@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from burstmpi._transport import watchdog
 from burstmpi._transport.watchdog import expiry, identity
-from test_mpi import mpiexec, pytestmark as under_mpiexec  # noqa: F401  (skips alike)
+from test_mpi import mpiexec, pytestmark as under_mpiexec, segments_left  # noqa: F401  (skips alike)
 
 pytestmark = under_mpiexec
 
@@ -85,7 +85,9 @@ def test_a_blocking_call_past_its_deadline_at_funneled_ends_the_process():
     inside MPI_Comm_dup: the line, then ``os._exit(75)``; hydra ends the other rank and
     returns 75, or 9 (the other's SIGKILL) after its BAD TERMINATION banner (measured:
     ``watchdog.expiry``'s notes)."""
+    since = time.time()
     rc, out, secs = mpiexec(2, ["-c", GUARDED], timeout=120, MPI4PY_RC_THREAD_LEVEL="funneled")
+    assert not segments_left(since), f"the job left {segments_left(since)} in /dev/shm"  # unlinked by the line
     lines = [line for line in out.splitlines() if line.startswith(watchdog.PREFIX)]
     assert len(lines) == 1 and lines[0].startswith(f"{watchdog.PREFIX}rank 0 (") and \
         "a duplicate rank 1 never makes did not complete within 2 s" in lines[0], out[-3000:]

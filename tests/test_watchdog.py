@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from burstmpi._transport import watchdog
-from test_mpi import mpiexec, pytestmark as under_mpiexec  # noqa: F401  (skips alike)
+from test_mpi import mpiexec, pytestmark as under_mpiexec, segments_left  # noqa: F401  (skips alike)
 
 pytestmark = under_mpiexec
 
@@ -38,8 +38,13 @@ def _watchdog_lines(out):
 
 
 def _ends_by_watchdog(script, n=3, via_mpi4py=False, code=watchdog.EXIT_TIMEOUT, most=TIMEOUT + 30):
+    """Run ``script`` at ``n`` ranks; it must end with the watchdog's line, exit ``code``,
+    within ``most`` seconds, and leave no MPICH node segment in /dev/shm (the watchdog
+    unlinks it as the job ends, also where no burstmpi call ran yet)."""
+    since = time.time()
     rc, out, secs = mpiexec(n, ["-c", PRELUDE + textwrap.dedent(script)], timeout=120, via_mpi4py=via_mpi4py)
     assert rc == code, f"expected exit {code}, got {rc}:\n{out[-3000:]}"
+    assert not segments_left(since), f"the job left {segments_left(since)} in /dev/shm"
     lines = _watchdog_lines(out)
     assert lines, f"no '{watchdog.PREFIX}' line:\n{out[-3000:]}"
     assert secs < most, f"the job took {secs:.0f} s to end (deadline {TIMEOUT} s)"
@@ -247,14 +252,14 @@ def test_who_names_world_ranks_and_their_hosts(monkeypatch):
 def test_mpich_node_segments_are_unlinked_once_mapped(tmp_path, monkeypatch):
     """MPI_Abort leaves MPICH's node segment in /dev/shm; burstmpi unlinks the names this
     process maps (and only MPICH's: another program's shared memory is not its business)."""
-    from burstmpi._transport import shm
+    from burstmpi._transport import segments
 
-    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(segments, "SHM_DIR", str(tmp_path))
     ours, theirs = tmp_path / "mpich_shm_1a2b_0", tmp_path / "torch_123"
     ours.write_bytes(b"x"), theirs.write_bytes(b"x")
     maps = tmp_path / "maps"
     maps.write_text(f"7f00-7f01 rw-s 00000000 00:1a 1 {ours}\n7f02-7f03 rw-s 00000000 00:1a 2 {theirs}\n"
                     f"7f04-7f05 rw-s 00000000 00:1a 3 {tmp_path}/mpich_shm_gone_0 (deleted)\n")
-    shm.unlink_node_segments(str(maps))
+    segments.unlink_node_segments(str(maps))
     assert not ours.exists() and theirs.exists()
-    shm.unlink_node_segments(str(maps))  # again (another rank was first): nothing to do, no error
+    segments.unlink_node_segments(str(maps))  # again (another rank was first): nothing to do, no error

@@ -47,44 +47,14 @@ from .comm import (HOME_TAG_OFFSET, Channel, Counted, Packet, PartialChannel, ch
                    packed_fields, rows_bytes)
 from .mpi import MPITransport
 from .lifetime import count, resource
+from .segments import SHM_DIR
 from .watchdog import allgather
 
-__all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes",
-           "unlink_node_segments"]
+__all__ = ["ShmTransport", "ShmChannel", "ShmPartialChannel", "NoRoom", "transport_for", "free_shared_bytes"]
 
 # A partial's acknowledgement travels back on its own tag: with two ranks the neighbour
 # the partials come from is the one they go to.
 ACK_TAG_OFFSET = 1000
-
-# Where MPICH and Open MPI put shared windows on Linux. A tmpfs: a window larger than its
-# free space maps without error and then dies of SIGBUS on the first page past it (Docker
-# gives containers 64 MB unless told --shm-size), so the room is checked first.
-SHM_DIR = "/dev/shm"
-
-
-def unlink_node_segments(maps="/proc/self/maps"):
-    """Unlink the names of MPICH's node segments (``/dev/shm/mpich_shm_*``: the memory the
-    ranks of a node share, burstmpi's windows included) that this process maps.
-
-    MPICH removes that name only in ``MPI_Finalize``: a job that ends in ``MPI_Abort`` (the
-    watchdog, an interrupted bench) or is killed leaves 2 MB or more per node in a tmpfs
-    until someone deletes it. Once every rank of the node has mapped it (MPI_Init attaches
-    them all before any returns; callers unlink after a collective over COMM_WORLD), the
-    name is no longer needed: the memory stays until the last rank unmaps it. Measured
-    with MPICH 5.0.2: shared windows still work after it, ``MPI_Finalize`` is silent.
-    Not Linux, or not MPICH: nothing to do."""
-    try:
-        with open(maps) as f:
-            names = {line.split(None, 5)[5].strip() for line in f if f"{SHM_DIR}/mpich_shm_" in line}
-    except (OSError, IndexError):
-        return
-    for name in names:
-        if not name.endswith("(deleted)"):
-            try:
-                os.unlink(name)
-            except OSError:  # another rank of the node was first
-                pass
-
 
 def free_shared_bytes():
     """Bytes free in ``SHM_DIR``, or None where there is none to ask (not Linux)."""

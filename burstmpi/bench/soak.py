@@ -40,7 +40,7 @@ import burstmpi
 from .. import reference
 from .._config import settings
 from .._plan_cache import MAX_PLANS, stats as cache_stats
-from .._transport import lifetime, watchdog
+from .._transport import lifetime, segments, watchdog
 from ..masks import Sinks
 from .common import TOLERANCE
 from .memory import rss_bytes
@@ -69,24 +69,9 @@ LENGTHS = (37, 64, 91)  # tokens per rank of the world: odd and even, different 
 HEADS, HEAD_DIM = 4, 16
 
 
-def _shm_mapped_bytes(maps="/proc/self/maps"):
-    """Bytes of ``/dev/shm`` files (deleted ones too) this process maps, each file once."""
-    seen = {}
-    try:
-        with open(maps) as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    seen[parts[4]] = seen.get(parts[4], 0) + hi - lo
-    except OSError:
-        return 0
-    return sum(seen.values())
-
-
 def _shm_files():
     try:
-        return len(os.listdir("/dev/shm"))
+        return len(os.listdir(segments.SHM_DIR))
     except OSError:
         return -1
 
@@ -213,7 +198,7 @@ def _measure(world):
     burstmpi holds, summed over ranks; the plan cache's counts, summed)."""
     left = _communicators_left()
     live = lifetime.live()
-    mine = (rss_bytes(), _shm_mapped_bytes(), _shm_files(), tuple(live.values()), tuple(cache_stats()))
+    mine = (rss_bytes(), segments.mapped_bytes(), _shm_files(), tuple(live.values()), tuple(cache_stats()))
     every = world.allgather(mine)
     return dict(left=left, rss=max(e[0] for e in every), shm=max(e[1] for e in every), files=max(e[2] for e in every),
                 held=dict(zip(live, (sum(e[3][i] for e in every) for i in range(len(live))))),

@@ -39,6 +39,7 @@ import time
 
 from mpi4py import MPI
 
+from ..segments import unlink_node_segments
 from . import hosts, identity
 
 EXIT_TIMEOUT = 75     # sysexits' EX_TEMPFAIL: the job did not fail by itself; a rerun may pass
@@ -75,6 +76,7 @@ def expire(text, code=EXIT_TIMEOUT, wait=0.0):
         call = f" in {call}" if call else ""
         sys.stderr.write(f"{PREFIX}{hosts._me()}{call}: {text}; aborting the job (MPI_Abort, exit {code})\n")
         sys.stderr.flush()
+        unlink_node_segments()  # the job ends: MPICH leaves its node segment's name to MPI_Finalize
         time.sleep(wait)
         end_job(code)
     finally:  # reached only where a test replaced ``abort``
@@ -105,6 +107,7 @@ def abort(code, comm=None):
     ends every process of the job. Should the abort itself block (a launcher that cannot be
     reached), a timer ends this process. Does not return."""
     time.sleep(0.5)  # hydra drops output still in flight when an abort arrives (gpu/device.py)
+    unlink_node_segments()  # an abort (the bench's interrupts too) skips MPI_Finalize, which would remove it
     if not identity.may_call_mpi():
         os._exit(code)  # MPI may not be called from this thread: the launcher sees a rank die
     timer = threading.Timer(ABORT_GRACE_S, os._exit, (code,))
