@@ -375,12 +375,8 @@ class Runtime:
             free()
 
     def comm_freed(self, reason):
-        """The caller's communicator went (``lifetime.CommState.teardown``): drop the views
-        of its freed buffers and what was made over its communicators; a later call raises
-        (``begin``)."""
-        self._channels.clear()
-        self._arena = None
+        """The caller's communicator went (``lifetime.CommState.teardown``): drop what was
+        made over its communicators and the views of its freed buffers (local); a later
+        call raises (``begin``)."""
         self._owned.clear()
-        free = getattr(self.backend, "release", None)  # host memory only: local
-        if free is not None:
-            free()
+        self.release(window=False)
