@@ -36,6 +36,8 @@ from ._transport import watchdog
 __all__ = ["attention"]
 
 _NAME = "burstmpi.torch.attention"
+
+
 def _check_thread(what, cuda_backward=False):
     """Refuse, before any MPI call, what MPI forbids below ``MPI_THREAD_MULTIPLE``: a call
     from a thread other than the one that initialised MPI. ``cuda_backward``: the backward
@@ -53,12 +55,6 @@ def _options(causal, window, softmax_scale, layout, bwd_comm, mask, head_paralle
     """The plan cache's options (``plan_cache.run``) of a call."""
     return dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
                 mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
-
-
-def _plan(comm, *options):
-    """The cached plan for these options (``_options``' arguments, in order): what a call
-    looks up, for whoever needs to see it; the adapter itself never keeps it."""
-    return plan_cache.run(_NAME, comm, _options(*options), lambda plan: plan)
 
 
 def _stream(t):

@@ -11,7 +11,7 @@ import burstmpi._decode.cache
 import burstmpi._plan
 from burstmpi import reference as ref
 
-from conftest import NRANKS
+from conftest import COMM, NRANKS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,12 +62,16 @@ def test_a_timeout_that_is_no_deadline_is_refused(make):
 
 @pytest.mark.extras
 def test_the_torch_adapter_keeps_a_plan_per_timeout():
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     import burstmpi.torch as bt
+    from burstmpi import _plan_cache as plan_cache
 
-    args = (None, True, None, None, "zigzag", "auto", None, 1, "flat")
-    a, b, c = bt._plan(*args, 40), bt._plan(*args, 41), bt._plan(*args, 40)
-    assert a is c and a is not b
+    q, k, v = (torch.from_numpy(x) for x in _shards()[:3])
+    seen = []
+    for timeout in (40, 41, 40):
+        bt.attention(q, k, v, causal=True, layout="zigzag", timeout=timeout)
+        seen.append(sorted(p.runtime.timeout for p in plan_cache.cached_plans(COMM) if p.runtime.timeout in (40, 41)))
+    assert seen == [[40], [40, 41], [40, 41]]  # the third call found the first's plan
 
 
 @pytest.mark.extras
