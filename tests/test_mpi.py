@@ -111,7 +111,7 @@ def mpiexec(n, args, timeout, expect_hang=False, via_mpi4py=True, **env_extra):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", BURSTMPI_UNDER_MPIEXEC="1",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
                **env_extra)
-    t0 = time.perf_counter()
+    t0, since = time.perf_counter(), time.time()
     launcher = ["-m", "mpi4py"] if via_mpi4py else []
     proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, *launcher, *args],
                             cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -121,6 +121,11 @@ def mpiexec(n, args, timeout, expect_hang=False, via_mpi4py=True, **env_extra):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
+        for path in segments_left(since):  # a killed job cannot remove its node segment: the test does
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         if expect_hang:
             return None, out, time.perf_counter() - t0
         pytest.fail(f"mpiexec -n {n} {' '.join(args)} hung for {timeout} s:\n{out[-4000:]}")
