@@ -60,7 +60,6 @@ The others know when the stopped rank stopped by counting alike: every rank's k-
 of transfers pairs with its neighbours' k-th (as NCCL needs of the ring's groups).
 """
 
-import ctypes
 import os
 import signal
 import sys
@@ -72,8 +71,11 @@ import numpy as np
 from mpi4py import MPI
 
 from burstmpi._transfers import Transfers
+from fake_device import DEVICE, Event, Group, Stream
+from stream_sanitizer import kernel_roles, where
 
-__all__ = ["COUNTS", "DeviceArray", "FakeCupy", "FakeNccl", "FakeNcclComm", "install", "reset", "stop_peer"]
+__all__ = ["COUNTS", "DEVICE", "DeviceArray", "FakeCupy", "FakeNccl", "FakeNcclComm", "install", "reset",
+           "stop_peer"]
 
 COUNTS = Transfers()
 # Where each counted copy and wait came from, while ``TRACE`` is true: (kind, bytes, the
@@ -110,11 +112,6 @@ def _h2d(nbytes):
     _trace("h2d", nbytes)
 
 
-def _sync():
-    COUNTS.syncs += 1
-    _trace("sync", 0)
-
-
 def _is_host_array(x):
     return isinstance(x, np.ndarray) and not isinstance(x, DeviceArray)
 
@@ -147,6 +144,47 @@ def _index(key):
     return tuple(out) if isinstance(key, tuple) else out[0]
 
 
+def _span(a):
+    """The bytes an array (a view: any strides) touches, as (lo, hi)."""
+    if a.size == 0:
+        return 0, 0
+    lo = hi = a.ctypes.data
+    for n, st in zip(a.shape, a.strides):
+        if st < 0:
+            lo += st * (n - 1)
+        else:
+            hi += st * (n - 1)
+    return lo, hi + a.itemsize
+
+
+def _root(a):
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _touch(reads=(), writes=()):
+    """(lo, hi, write) of the device arrays among ``reads`` and ``writes``."""
+    return ([(*_span(a), False) for a in reads if isinstance(a, DeviceArray)]
+            + [(*_span(a), True) for a in writes if isinstance(a, DeviceArray)])
+
+
+def _new(x, *sources):
+    """``x`` (NumPy's result) as device arrays; one with memory of its own (none of
+    ``sources``') is a new allocation (``FakeDevice.allocated``)."""
+    x = _dev(x)
+    roots = {id(_root(a)) for a in sources if isinstance(a, np.ndarray)}
+    for y in (x if isinstance(x, tuple) else (x,)):
+        if isinstance(y, DeviceArray) and id(_root(y)) not in roots:
+            DEVICE.allocated(y)
+    return x
+
+
+def _op(what, reads=(), writes=(), run=None):
+    """An array operation on the current stream (its accesses checked by the sanitizer)."""
+    return DEVICE.eager(_touch(reads, writes), what, run)
+
+
 class _Pointer:
     __slots__ = ("ptr",)
 
@@ -162,7 +200,11 @@ class DeviceArray(np.ndarray):
 
     @property
     def data(self):
-        return _Pointer(self.ctypes.data)
+        """The address, as CuPy's ``a.data.ptr``; a kernel given it touches this array's
+        bytes (the sanitizer's span of a pointer parameter)."""
+        ptr = self.ctypes.data
+        DEVICE.arrays[ptr] = _span(self)
+        return _Pointer(ptr)
 
     @property
     def device(self):
@@ -170,40 +212,54 @@ class DeviceArray(np.ndarray):
 
     # -- copies to the host (counted) ---------------------------------------------------
 
+    def _to_host(self, nbytes, what, run, out=None):
+        _d2h(nbytes)
+        host = [(*_span(out), True)] if out is not None else []  # the stream writes host memory
+        return DEVICE.host_read(_touch([self]) + host, what, run)
+
     def get(self, stream=None, order="C", out=None, blocking=True):
-        _d2h(self.nbytes)
+        base = self.view(np.ndarray)
         if out is None:
-            return np.array(self.view(np.ndarray), order=order, copy=True)
-        out[...] = self.view(np.ndarray)
-        return out
+            return self._to_host(self.nbytes, "get()", lambda: np.array(base, order=order, copy=True))
+        return self._to_host(self.nbytes, "get(out=)", lambda: out.__setitem__(Ellipsis, base) or out, out)
 
     def set(self, arr, stream=None):
+        """A copy from host memory on the current stream: it reads ``arr`` there (from pinned
+        memory CuPy's copy is asynchronous: the host must not refill ``arr`` before it ran)."""
         _h2d(np.asarray(arr).nbytes)
-        self.view(np.ndarray)[...] = arr
+        host = [(*_span(arr), False)] if _is_host_array(arr) else []
+        DEVICE.eager(_touch(writes=[self]) + host, "set() (a copy from the host)",
+                     lambda: self.view(np.ndarray).__setitem__(Ellipsis, arr))
 
     def item(self, *args):
-        _d2h(self.itemsize)
-        return self.view(np.ndarray).item(*args)
+        return self._to_host(self.itemsize, "item()", lambda: self.view(np.ndarray).item(*args))
 
     def tolist(self):
-        _d2h(self.nbytes)
-        return self.view(np.ndarray).tolist()
+        return self._to_host(self.nbytes, "tolist()", lambda: self.view(np.ndarray).tolist())
 
     def __float__(self):
-        _d2h(self.itemsize)
-        return float(self.view(np.ndarray))
+        return self._to_host(self.itemsize, "float()", lambda: float(self.view(np.ndarray)))
 
     def __int__(self):
-        _d2h(self.itemsize)
-        return int(self.view(np.ndarray))
+        return self._to_host(self.itemsize, "int()", lambda: int(self.view(np.ndarray)))
 
     def __index__(self):
-        _d2h(self.itemsize)
-        return self.view(np.ndarray).__index__()
+        return self._to_host(self.itemsize, "an index", lambda: self.view(np.ndarray).__index__())
 
     def __bool__(self):
-        _d2h(self.itemsize)
-        return bool(self.view(np.ndarray))
+        return self._to_host(self.itemsize, "bool()", lambda: bool(self.view(np.ndarray)))
+
+    def fill(self, value):
+        _op("fill()", writes=[self], run=lambda: self.view(np.ndarray).fill(value))
+
+    def copy(self, order="C"):
+        return _new(_op("copy()", reads=[self], run=lambda: self.view(np.ndarray).copy(order)))
+
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return _new(_op("astype()", reads=[self],
+                        run=lambda: self.view(np.ndarray).astype(dtype, order=order, casting=casting)))
 
     def __repr__(self):  # no copy: tests print what failed
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
@@ -224,22 +280,34 @@ class DeviceArray(np.ndarray):
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = tuple(_base(o) for o in out)
-        result = getattr(ufunc, method)(*(_base(x) for x in inputs), **kwargs)
+        result = _op(f"numpy.{ufunc.__name__}", reads=inputs, writes=out or (),
+                     run=lambda: getattr(ufunc, method)(*(_base(x) for x in inputs), **kwargs))
         if out is not None:
             return out[0] if len(out) == 1 else out
-        return _dev(result)
+        return _new(result)
 
     def __getitem__(self, key):
-        return _dev(super().__getitem__(_index(key)))
+        got = super().__getitem__(_index(key))
+        if isinstance(got, np.ndarray) and _root(got) is _root(self):
+            return _dev(got)  # a view: nothing runs on the device
+        return _new(_op("an indexed copy", reads=[self], run=lambda: got))
 
     def __setitem__(self, key, value):
         if _is_host_array(value) and value.ndim > 0:
             _h2d(value.nbytes)
-        super().__setitem__(_index(key), _base(value))
+        key = _index(key)
+        try:
+            target = np.ndarray.__getitem__(self, key)
+        except (IndexError, TypeError):
+            target = self
+        if not isinstance(target, np.ndarray) or _root(target) is not _root(self):
+            target = self  # an element, or an advanced index: count the array written
+        _op("an assignment", reads=[value], writes=[target],
+            run=lambda: np.ndarray.__setitem__(self, key, _base(value)))
 
 def _reduction(name):
     def method(self, *args, **kwargs):
-        return _dev(getattr(self.view(np.ndarray), name)(*args, **kwargs))
+        return _new(_op(f"{name}()", reads=[self], run=lambda: getattr(self.view(np.ndarray), name)(*args, **kwargs)))
     method.__name__ = name
     return method
 
@@ -267,20 +335,21 @@ def asarray(a, dtype=None, order=None):
     host = np.asarray(a, dtype=dtype, order=order)
     if _is_host_array(a):
         _h2d(host.nbytes)  # lists and scalars also travel, but burstmpi hands arrays
-    return np.array(host, copy=True).view(DeviceArray)
+    return _new(np.array(host, copy=True))
 
 
 def array(a, dtype=None, copy=True, order="K"):
     if isinstance(a, DeviceArray):
-        return np.array(a.view(np.ndarray), dtype=dtype, copy=True, order=order).view(DeviceArray)
+        return _new(_op("array()", reads=[a],
+                        run=lambda: np.array(a.view(np.ndarray), dtype=dtype, copy=True, order=order)))
     if _is_host_array(a):
         _h2d(a.nbytes)
-    return np.array(a, dtype=dtype, copy=True, order=order).view(DeviceArray)
+    return _new(np.array(a, dtype=dtype, copy=True, order=order))
 
 
 def ascontiguousarray(a, dtype=None):
     _refuse_host("ascontiguousarray", [a])
-    return _dev(np.ascontiguousarray(_base(a), dtype=dtype))
+    return _new(_op("ascontiguousarray()", reads=[a], run=lambda: np.ascontiguousarray(_base(a), dtype=dtype)), a)
 
 
 def asnumpy(a, stream=None, order="C", out=None):
@@ -291,7 +360,7 @@ def asnumpy(a, stream=None, order="C", out=None):
 
 def _maker(name):
     def make(*args, **kwargs):
-        return _dev(getattr(np, name)(*args, **kwargs))
+        return _new(getattr(np, name)(*args, **kwargs))
     make.__name__ = name
     return make
 
@@ -302,71 +371,38 @@ def _on_device(name):
         flat = [y for x in args for y in (x if isinstance(x, (list, tuple)) else [x])]
         _refuse_host(name, flat)
         conv = [[_base(y) for y in x] if isinstance(x, (list, tuple)) else _base(x) for x in args]
-        return _dev(getattr(np, name)(*conv, **{k: _base(v) for k, v in kwargs.items()}))
+        run = lambda: getattr(np, name)(*conv, **{k: _base(v) for k, v in kwargs.items()})
+        if name in _VIEWS:
+            return _dev(run())
+        return _new(_op(f"cupy.{name}", reads=flat + list(kwargs.values()), run=run), *flat)
     run.__name__ = name
     return run
 
 
+_VIEWS = ("broadcast_to", "moveaxis", "flip")  # views: nothing runs on the device
+
+
 def _like(name):
     def make(a, *args, **kwargs):
-        return _dev(getattr(np, name)(_base(a), *args, **kwargs))
+        return _new(getattr(np, name)(_base(a), *args, **kwargs))
     make.__name__ = name
     return make
 
 
 # -- streams, events, devices ------------------------------------------------------------------
 
-class Event:
-    """Complete as soon as recorded (the emulated kernels run synchronously), unless
-    recorded on a stream whose transfers never complete (``never``: a stopped peer's)."""
-
-    def __init__(self, *args, never=False, **kwargs):
-        self.never = never
-
-    @property
-    def done(self):
-        _sync()  # the host asks whether the device got here: a wait where it is not
-        return not self.never
-
-    def synchronize(self):
-        _sync()
-        if self.never:  # as cudaEventSynchronize would: forever, the GIL released
-            _forever()
-
-    def record(self, stream=None):
-        pass
+def _sync():
+    COUNTS.syncs += 1
+    _trace("sync", 0)
 
 
-class Stream:
-    _next = 1
-
-    def __init__(self, null=False, non_blocking=False, ptr=None):
-        self.ptr = 0 if null else Stream._next
-        Stream._next += 1
-
-    def record(self, event=None):
-        if event is None:
-            return Event(never=self.ptr in _STALLED)
-        event.never = self.ptr in _STALLED
-        return event
-
-    def wait_event(self, event):
-        pass
-
-    def synchronize(self):
-        _sync()
-
-    def use(self):
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+DEVICE.on_sync = _sync  # every host wait of the fake device is counted
 
 
-_CURRENT = Stream(null=True)
+def _external(ptr, device_id=None):
+    """``cupy.cuda.ExternalStream``: the stream of another framework (JAX's, torch's),
+    one fake stream per pointer, eager as the null stream."""
+    return DEVICE.streams.get(int(ptr)) or Stream(ptr=ptr)
 
 
 class Device:
@@ -385,7 +421,7 @@ class Device:
         pass
 
     def synchronize(self):
-        _sync()
+        DEVICE.sync_all()
 
     def __enter__(self):
         return self
@@ -408,8 +444,8 @@ def _pinned(nbytes):
     return np.empty(nbytes, np.uint8).data  # a buffer np.frombuffer takes (``_interop.cupyx_pinned``)
 
 
-_cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, runtime=_Runtime,
-                              get_current_stream=lambda device=None: _CURRENT,
+_cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, ExternalStream=_external, runtime=_Runtime,
+                              get_current_stream=lambda device=None: DEVICE.current[-1],
                               alloc_pinned_memory=_pinned)
 
 
@@ -451,7 +487,6 @@ FakeCupy = _FakeCupy()
 STOP = None          # (world rank, "init" or "group", n): the rank that stops, where (``stop_peer``)
 _REACHED = Counter()  # this process's NCCL set-ups and groups of transfers so far
 _CONNECTED = set()    # (id of a FakeNcclComm, peer): connected by a first transfer
-_STALLED = set()      # pointers of streams whose transfers never complete
 
 
 def stop_peer(rank, at, n):
@@ -463,13 +498,6 @@ def stop_peer(rank, at, n):
         raise ValueError(f"stop_peer: expected at 'init' or 'group' and n >= 1, got {at!r}, {n!r}")
     STOP = (int(rank), at, int(n))
     _REACHED.clear()
-
-
-def _forever():
-    """Block for good with the GIL released, as an NCCL call waiting on a dead peer."""
-    import threading
-
-    threading.Event().wait()
 
 
 def _reach(at):
@@ -521,35 +549,55 @@ class FakeNccl:
 
     @classmethod
     def groupEnd(cls):
+        """Connect to the peers met for the first time (on the host: both sides' k-th group
+        meet), then queue the group's work on its streams (``fake_device.Group``)."""
         ops, cls._open = cls._open, None
         if not ops:
             return
         k = _reach("group")
-        posted, lost = [], []
-        for comm, peer, stream, post in ops:
-            # Once connected to a peer that stopped, NCCL only queues the transfer: it
-            # never completes, and nothing on the host blocks (``finish`` must see it).
-            stopped = STOP is not None and STOP[1] == "group" and k >= STOP[2] \
-                and _world(comm.mpi, peer) == STOP[0] and (id(comm), peer) in _CONNECTED
-            (lost if stopped else posted).append((comm, peer, stream, post))
-        for _, _, stream, _ in lost:
-            _STALLED.add(stream)
-        # A first transfer with a peer that never comes blocks here, in MPI_Waitall
-        # (mpi4py releases the GIL, as CuPy does around ncclGroupEnd).
-        MPI.Request.Waitall([r for r in (post() for *_, post in posted) if r is not None])
-        _CONNECTED.update((id(comm), peer) for comm, peer, _, _ in posted)
+        # Once connected to a peer that stopped, NCCL only queues the transfer: it never
+        # completes, and nothing on the host blocks (``finish`` must see it).
+        lost = {id(op) for op in ops if op[0] != "allgather" and STOP is not None and STOP[1] == "group"
+                and k >= STOP[2] and _world(op[1].mpi, op[2]) == STOP[0] and (id(op[1]), op[2]) in _CONNECTED}
+        _connect([(op[1], op[2]) for op in ops if op[0] != "allgather"])
+        for stream in dict.fromkeys(op[-1] for op in ops):
+            mine = [op for op in ops if op[-1] is stream]
+            group = Group([op[:-2] for op in mine], lost=any(id(op) in lost for op in mine))
+            DEVICE.enqueue_group(stream, group, [a for op in mine for a in _accesses(op)])
 
 
-def _memory(ptr, nbytes):
-    """Device memory at ``ptr`` as a buffer MPI reads and writes in place (no copy)."""
-    return (ctypes.c_ubyte * nbytes).from_address(ptr)
+def _accesses(op):
+    """The sanitizer's accesses of an NCCL operation (lo, hi, write, what, place)."""
+    kind, comm, *rest, place, stream = op
+    if kind == "allgather":
+        send, recv, n = rest
+        return [(send, send + n, False, "ncclAllGather (its input)", place),
+                (recv, recv + n * comm.mpi.Get_size(), True, "ncclAllGather (its output)", place)]
+    peer, ptr, n = rest
+    what = f"NCCL {kind} {'to' if kind == 'send' else 'from'} rank {peer}"
+    return [(ptr, ptr + n, kind == "recv", what, place)]
+
+
+def _connect(pairs):
+    """NCCL connects to a peer at the first transfer with it, on the host: a handshake both
+    sides' groups make, waited for while every stream moves on (a peer that never comes
+    holds this forever, the GIL released in the pauses, as in ncclGroupEnd)."""
+    new = [(c, p) for c, p in dict.fromkeys(pairs) if (id(c), p) not in _CONNECTED]
+    if not new:
+        return
+    token = np.zeros(1, np.uint8)
+    reqs = [r for c, p in new for r in (c.mpi.Isend([token, 0, MPI.BYTE], dest=p, tag=c.TAG + 1),
+                                        c.mpi.Irecv([np.zeros(1, np.uint8), 0, MPI.BYTE], source=p, tag=c.TAG + 1))]
+    while not MPI.Request.Testall(reqs):
+        DEVICE.idle()
+    _CONNECTED.update((id(c), p) for c, p in new)
 
 
 class FakeNcclComm:
     """An NCCL communicator over ``comm`` (an MPI communicator: a duplicate of its own,
-    so its messages never match burstmpi's). Transfers move device memory directly. Its
-    set-up is collective over ``comm``, as NCCL's (blocking in MPI_Comm_dup for a rank
-    that never comes, the GIL released)."""
+    so its messages never match burstmpi's). Transfers move device memory, queued on
+    their stream (``fake_device``). Its set-up is collective over ``comm``, as NCCL's
+    (blocking in MPI_Comm_dup for a rank that never comes, the GIL released)."""
 
     TAG = 7
 
@@ -558,8 +606,7 @@ class FakeNcclComm:
             _reach("init")
         self.mpi = comm.Dup()
 
-    def _queued(self, peer, stream, post):
-        op = (self, peer, stream, post)
+    def _queued(self, op):
         if FakeNccl._open is None:
             FakeNccl.groupStart()
             FakeNccl._open.append(op)
@@ -568,16 +615,18 @@ class FakeNcclComm:
             FakeNccl._open.append(op)
 
     def send(self, ptr, nbytes, dtype, peer, stream):
-        self._queued(peer, stream, lambda: self.mpi.Isend([_memory(ptr, nbytes), MPI.BYTE], dest=peer, tag=self.TAG)
-                     if nbytes else None)
+        self._queued(("send", self, peer, ptr, nbytes, where(), DEVICE.streams[stream]))
 
     def recv(self, ptr, nbytes, dtype, peer, stream):
-        self._queued(peer, stream, lambda: self.mpi.Irecv([_memory(ptr, nbytes), MPI.BYTE], source=peer,
-                                                          tag=self.TAG) if nbytes else None)
+        self._queued(("recv", self, peer, ptr, nbytes, where(), DEVICE.streams[stream]))
 
     def allGather(self, send, recv, nbytes, dtype, stream):
-        self.mpi.Allgather([_memory(send, nbytes), MPI.BYTE],
-                           [_memory(recv, nbytes * self.mpi.Get_size()), MPI.BYTE])
+        if (id(self), None) not in _CONNECTED:  # connected to every rank at the first one
+            req = self.mpi.Ibarrier()
+            while not req.Test():
+                DEVICE.idle()
+            _CONNECTED.add((id(self), None))
+        self._queued(("allgather", self, send, recv, nbytes, where(), DEVICE.streams[stream]))
 
     def check_async_error(self):
         pass
@@ -597,13 +646,103 @@ class FakeNcclComm:
 
 # -- installing it where burstmpi looks ------------------------------------------------------------
 
-def install(monkeypatch, backend_class):
+ROLES = kernel_roles()  # kernel -> (True for a const pointer parameter, ...), from cuda/*.cu
+
+
+def launched(spec, run):
+    """A kernel launch on the current stream: each pointer parameter read (``const`` in
+    cuda/*.cu) or written, over the bytes of the array it was taken from."""
+    name = spec.kernel.split("<")[0]
+    roles = ROLES.get(name)
+    ptrs = [v for kind, v in spec.args if kind == "p"]
+    if roles is None or len(roles) != len(ptrs):
+        raise AssertionError(f"fake GPU: kernel {spec.kernel}: {len(ptrs)} pointer arguments, but cuda/*.cu "
+                             f"declares {None if roles is None else len(roles)}")
+    accesses = [(*DEVICE.span_of(p), not const) for p, const in zip(ptrs, roles) if p]
+    DEVICE.eager(accesses, f"kernel {name}", run)
+
+
+class _Pumping:
+    """``MPI`` for the watchdog's waits: each test of their requests moves the fake
+    device's streams on first, as a host wait of a real program leaves the GPU running."""
+
+    class Request:
+        @staticmethod
+        def Testall(requests):
+            DEVICE.pump_all()
+            return MPI.Request.Testall(requests)
+
+    def __getattr__(self, name):
+        return getattr(MPI, name)
+
+
+def _host_mpi(monkeypatch):
+    """MPI's transfers read and write memory on the host's behalf: device buffers handed
+    to a CUDA-aware MPI, and the host copies of the staged transport. Each is a host access
+    (``FakeDevice.host_access``): MPI must not read what a stream still writes, nor
+    overwrite what a stream still reads (a copy from pinned memory)."""
+    from burstmpi._transport import mpi
+
+    def wrap(cls, name, write):
+        real = getattr(cls, name)
+
+        def call(self, buf, peer, tag):
+            req = real(self, buf, peer, tag)
+            host = getattr(req, "host", buf)  # a staged request's host copy
+            if isinstance(host, np.ndarray):
+                DEVICE.host_access(*_span(host), write, f"MPI {'Irecv into' if write else 'Isend from'} "
+                                   f"{'device' if isinstance(host, DeviceArray) else 'host'} memory")
+            return req
+
+        call.__wrapped__ = real  # a mutation test finds burstmpi's own function behind it
+        monkeypatch.setattr(cls, name, call)
+
+    for cls in (mpi.MPITransport, mpi.StagedMPITransport):
+        wrap(cls, "isend", False)
+        wrap(cls, "irecv", True)
+    real_gather = mpi.MPITransport.allgather
+
+    def allgather(self, send, recv):
+        done = real_gather(self, send, recv)  # blocking: checked as of its return
+        for buf, write in ((send, False), (recv, True)):
+            DEVICE.host_access(*_span(buf), write, f"MPI's allgather ({'output' if write else 'input'})")
+        return done
+
+    allgather.__wrapped__ = real_gather
+    monkeypatch.setattr(mpi.MPITransport, "allgather", allgather)
+    real_device_gather = mpi.DeviceMPITransport.allgather
+
+    def device_allgather(self, send, recv):  # its own MPI call, on device buffers
+        done = real_device_gather(self, send, recv)
+        for buf, write in ((send, False), (recv, True)):
+            DEVICE.host_access(*_span(buf), write, f"MPI's allgather of device memory ({'output' if write else 'input'})")
+        return done
+
+    device_allgather.__wrapped__ = real_device_gather
+    monkeypatch.setattr(mpi.DeviceMPITransport, "allgather", device_allgather)
+
+
+def install(monkeypatch, backend_class, policy="late", seed=0):
     """Make burstmpi's "cuda" path run on the fake, with ``backend_class(cupy, device)`` as
-    its backend (a ``CupyBackend`` whose launches run on the emulator) and the real
-    ``NCCLTransport`` over :class:`FakeNccl` as its transport; device arrays count as
-    device memory in ``_interop`` and ``_transfers``. Returns the fake ``cupy``."""
+    its backend (a ``CupyBackend`` whose launches run on the emulator: each goes through
+    the fake device, :func:`launched`) and the real ``NCCLTransport`` over
+    :class:`FakeNccl` as its transport; device arrays count as device memory in
+    ``_interop`` and ``_transfers``. The device starts over with ``policy`` and ``seed``
+    (``fake_device.FakeDevice.reset``). Returns the fake ``cupy``."""
     from burstmpi import _interop, _runtime, _transfers
     from burstmpi._transport import nccl
+    from burstmpi._transport.watchdog import deadline
+
+    DEVICE.reset(policy, seed)
+    monkeypatch.setattr(deadline, "MPI", _Pumping())
+    _host_mpi(monkeypatch)
+
+    class Launching(backend_class):
+        def launch(self, spec):
+            launched(spec, lambda: super(Launching, self).launch(spec))
+
+    Launching.__name__ = backend_class.__name__
+    backend_class = Launching
 
     real_is_host, real_on_host = _interop.is_host, _transfers._on_host
     is_host = lambda x: not isinstance(x, DeviceArray) and real_is_host(x)

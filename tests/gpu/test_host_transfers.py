@@ -55,12 +55,19 @@ class _Emulated(CupyBackend):
         kh.launch(self.lib, spec)
 
 
-@pytest.fixture
-def gpu(monkeypatch):
-    """burstmpi's "cuda" path on the fake CuPy, NCCL and the emulated kernels."""
+# How the fake device runs the comm streams' work (tests/gpu/fake_device.py): as late as
+# allowed, as early as allowed, and two seeded random interleavings.
+POLICIES = [("late", 0), ("early", 0), ("random", 1), ("random", 2)]
+
+
+@pytest.fixture(params=POLICIES, ids=lambda p: f"{p[0]}{p[1] or ''}")
+def gpu(monkeypatch, request):
+    """burstmpi's "cuda" path on the fake CuPy (an asynchronous device, each policy of
+    ``POLICIES``), NCCL and the emulated kernels; the stream sanitizer finds no race."""
     _Emulated.lib = kh.library_on_every_rank(COMM, CONFIGS)
-    xp = fake.install(monkeypatch, _Emulated)
+    xp = fake.install(monkeypatch, _Emulated, *request.param)
     yield xp
+    fake.DEVICE.sanitizer.check()
 
 
 def _counted(run):
