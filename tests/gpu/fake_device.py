@@ -229,6 +229,11 @@ class FakeDevice:
         lo = root.ctypes.data
         hi = lo + root.nbytes
         if hi > lo:
+            # Fresh from the pool: what earlier owners of these bytes did was checked when
+            # they freed them (CuPy reuses memory on the stream that freed it; NumPy, under
+            # the fake, on any).
+            self._check_frees()
+            self.sanitizer.forget(lo, hi)
             bisect.insort(self.allocs, (lo, hi))
             self.owners[lo] = weakref.ref(root)
             weakref.finalize(root, self._freed, (lo, hi), self.current[-1])

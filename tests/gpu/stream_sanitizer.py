@@ -47,6 +47,9 @@ def kernel_roles(folder=ROOT / "cuda"):
     return roles
 
 
+_OURS = ("fake_cupy.py", "fake_device.py", "stream_sanitizer.py")  # the fake's own frames
+
+
 def where(depth=3):
     """The innermost ``depth`` frames of burstmpi's own code on the stack (else the test's),
     as ``file:line (function)``, innermost first."""
@@ -55,8 +58,7 @@ def where(depth=3):
         name = f.f_code.co_filename
         if "/burstmpi/" in name and "/tests/" not in name:
             ours.append(f"{name.split('/burstmpi/', 1)[1]}:{f.f_lineno} ({f.f_code.co_name})")
-        elif other is None and "/tests/" in name and not name.endswith(("fake_cupy.py", "fake_device.py",
-                                                                          "stream_sanitizer.py")):
+        elif other is None and "/tests/" in name and name.rsplit("/", 1)[-1] not in _OURS:
             other = f"tests/{name.split('/tests/', 1)[1]}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return " < ".join(ours) if ours else (other or "?")
@@ -121,6 +123,10 @@ class Sanitizer:
         if record:
             keep.append(_Access(lo, hi, stream, clock[stream.id], write, what, place))
         self.records = keep
+
+    def forget(self, lo, hi):
+        """Bytes [lo, hi) were freed and allocated anew: their records go."""
+        self.records = [r for r in self.records if r.hi <= lo or hi <= r.lo]
 
     def host_saw(self, host_clock):
         """The host saw everything up to ``host_clock`` complete: those records are ordered
