@@ -53,7 +53,8 @@ SELECT = {8: AT_8}
 # and training steps, torch's DLPack interop, the GPU runtime's CuPy/NCCL side): .ci/run's
 # second phase, with the packages installed (pytest -m extras).
 EXTRAS = ["adapters/test_adapter_torch.py", "adapters/test_adapter_jax.py", "api/test_interop.py",
-          "api/test_layout_required.py", "api/test_timeout_keyword.py", "gpu/test_gpu_runtime.py"]
+          "api/test_layout_required.py", "api/test_timeout_keyword.py", "gpu/test_gpu_runtime.py",
+          "gpu/test_jax_stream.py"]
 OPTIONAL = ["torch", "jax", "cupy"]
 MPIEXEC = shutil.which("mpiexec")
 

@@ -205,9 +205,11 @@ def test_complete_returns_at_once_when_done_and_expires_with_the_pending_peers(n
 
 
 def test_guard_fires_from_its_thread_and_not_when_the_body_ends_in_time(monkeypatch):
+    """The expiry runs on the watchdog's monitor thread (the caller's is blocked in the
+    guarded call): ``expire`` records the thread it was called on."""
     fired = []
-    monkeypatch.setattr(watchdog.expiry, "expire",
-                        lambda text, code=watchdog.EXIT_TIMEOUT, wait=0.0: fired.append(text))
+    monkeypatch.setattr(watchdog.expiry, "expire", lambda text, code=watchdog.EXIT_TIMEOUT, wait=0.0:
+                        fired.append((text, threading.current_thread())))
     with watchdog.guard("a quick call", 0.5):
         pass
     with watchdog.guard("a slow call", 0.2):
@@ -215,8 +217,10 @@ def test_guard_fires_from_its_thread_and_not_when_the_body_ends_in_time(monkeypa
         while not fired and time.monotonic() < deadline:
             time.sleep(0.01)
     time.sleep(0.7)  # past the quick call's deadline: it was disarmed
-    assert len(fired) >= 1 and all(f.startswith("a slow call did not complete within") for f in fired), fired
-    assert threading.current_thread() is threading.main_thread()
+    assert len(fired) >= 1 and all(f.startswith("a slow call did not complete within") for f, _ in fired), fired
+    threads = {t for _, t in fired}
+    assert threads == {watchdog.monitor._monitor.thread}, threads
+    assert all(t.name == "burstmpi-watchdog" and t is not threading.main_thread() for t in threads)
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "30", True])
