@@ -13,6 +13,7 @@
 //   cp_async_16 / _commit / _wait<N>      cp.async.cg 16-byte copies, zero-filling
 //   shfl_xor                              __shfl_xor_sync over the full warp
 //   fast_exp2                             ex2.approx.ftz.f32
+//   global_ns                             %globaltimer (nanoseconds; the stream-delay probe)
 #pragma once
 #include "types.cuh"
 
@@ -114,6 +115,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// ---- time ------------------------------------------------------------------------------------
+__device__ __forceinline__ long long global_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 
 #endif  // BURST_EMULATED

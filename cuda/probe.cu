@@ -1,4 +1,5 @@
-// Fragment-layout probe: one warp of cuda/tile.cuh's GEMMs on known matrices.
+// Probes for burstmpi-gpucheck: the fragment layouts of cuda/tile.cuh's GEMMs on known
+// matrices, and a kernel that holds a stream back (stream_delay, at the end).
 //
 // gemm_probe<T>: grid 1, block 32, dynamic shared memory >= 16 KiB.
 //   Reads  a (16 x 32), b (16 x 32), z (16 x 16), row-major, T.
@@ -34,4 +35,13 @@ __global__ void gemm_probe(const T* a, const T* b, const T* z, float* c1, float*
             c1[row * 16 + col] = c[j][e];
             c2[row * 16 + col] = o[j][e];
         }
+}
+
+// stream_delay: one warp that returns after about `ns` nanoseconds. burstmpi-gpucheck
+// queues it on a stream (NCCLTransport.delay) to hold that stream's later work back: a
+// missing wait between two streams then shows as different bits, on silicon.
+extern "C" __global__ void stream_delay(long long ns) {
+    const long long start = global_ns();
+    while (global_ns() - start < ns) {
+    }
 }

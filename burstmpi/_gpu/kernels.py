@@ -33,7 +33,7 @@ ARCHS = ("sm_80", "sm_90")
 # Largest dynamic shared memory per block (opt-in), bytes: A100 and H100/H200.
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 ENTRY_FILES = ("attn_fwd.cu", "attn_bwd.cu", "attn_decode.cu", "probe.cu")
-PROBE_NAMES = tuple(f"gemm_probe<{t}>" for t in DTYPES.values())
+PROBE_NAMES = tuple(f"gemm_probe<{t}>" for t in DTYPES.values()) + ("stream_delay",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -169,6 +169,14 @@ def probe_module(device_id):
         mod = cupy.RawModule(code=src, options=options, name_expressions=PROBE_NAMES)
         mod.compile()
         return mod
+
+
+def delay(device_id, ns):
+    """Queue cuda/probe.cu's ``stream_delay`` on the current stream: its later work starts
+    about ``ns`` nanoseconds late (``NCCLTransport.delay``, burstmpi-gpucheck's ordering check)."""
+    import numpy as np
+
+    probe_module(device_id).get_function("stream_delay")((1, 1, 1), (32, 1, 1), (np.int64(ns),))
 
 
 @functools.lru_cache(maxsize=None)

@@ -158,6 +158,10 @@ class NCCLTransport:
     # Transfers run in the order their groups were queued, and every rank's t-th group
     # pairs with its neighbours' t-th: a packet is never sent on ahead of its step's group.
     eager = False
+    # burstmpi-gpucheck's ordering check only: ("comm" or "compute", ns) holds that stream
+    # back by ns at every group and allgather (cuda/probe.cu's stream_delay), so that a
+    # missing wait between the two streams changes the bits on silicon. None otherwise.
+    delay = None
 
     def __init__(self, comm, device_id, timeout_s=300.0, *, _cupy=None, _nccl=None, _nccl_comm=None):
         # The underscored arguments let tests drive the event protocol with fakes.
@@ -212,7 +216,9 @@ class NCCLTransport:
             # with is packed into a staging buffer there: ``comm.Channel``); NCCL launches
             # the group's transfers on its stream at groupEnd, behind this wait.
             compute = self._cupy.cuda.get_current_stream()
+            self._held_back("compute", compute)
             self.stream.wait_event(compute.record())
+            self._held_back("comm", compute)
             peers = tuple(dict.fromkeys(self._peers))
             # ncclGroupEnd waits on the host for a peer's side the first time it transfers
             # with it (NCCL connects then), and whenever NCCL's queue of work is full.
@@ -226,6 +232,14 @@ class NCCLTransport:
             if reqs:
                 self._last = done
                 self._unfinished.update(dict.fromkeys(peers))
+
+    def _held_back(self, which, compute):
+        """``delay``'s stream_delay on the ``which`` stream, if it asks for that one."""
+        if self.delay is not None and self.delay[0] == which:
+            from .._gpu import kernels
+
+            with self.stream if which == "comm" else compute:
+                kernels.delay(self.device_id, self.delay[1])
 
     def _queue(self, what, peer):
         if self._open is None:
@@ -274,7 +288,9 @@ class NCCLTransport:
         kernels that wrote ``send`` and before any that read ``recv`` (no host wait; NCCL
         connects to the peers at the first one, under the deadline)."""
         compute = self._cupy.cuda.get_current_stream()
+        self._held_back("compute", compute)
         self.stream.wait_event(compute.record())
+        self._held_back("comm", compute)
         with guard(f"ncclAllGather over {self._name([None])} (NCCL connects to its peers at the first one)",
                    self.timeout_s):
             self.nccl_comm.allGather(send.data.ptr, recv.data.ptr, send.nbytes, self._nccl.NCCL_UINT8,

@@ -20,7 +20,10 @@
            two ranks on one GPU), every rank checked against float64: the ring, and decode
            over a cache sharded across the ranks (bitwise the same result on every rank);
            at 4 ranks, as 2 fake nodes of 2, also the two-level ring (every backward
-           mode) and head parallelism (u = 2).
+           mode) and head parallelism (u = 2). Over NCCL (``--transport nccl``, a GPU
+           per rank), also the stream-ordering check (``bench/ordering.py``): the ring
+           and the decode again with the comm stream held back, then the compute
+           stream, must give the same bits.
 7. bench   forward and backward TFLOP/s at 16384 tokens, head dim 128, bfloat16, next to
            PyTorch's ``scaled_dot_product_attention`` on the same GPU; one decode call over a
            cache of 256K tokens (bfloat16, 32/8 heads, head dim 128) and the rate it reads K/V.
@@ -327,6 +330,16 @@ def ranks_worker(transport, seqlen_local):
         if rank == 0:
             print(f"  P={P} decode {dtype} prefill {N0} + {steps} x {T} tokens: err {err:.1e}, "
                   f"{cache.last_stats.message_bytes} B per rank per call", flush=True)
+    if transport == "nccl":  # the comm stream, then the compute stream, held back: the same bits
+        from .ordering import delayed_runs_differ
+
+        t0 = time.perf_counter()
+        differ = delayed_runs_differ(cupy, comm, P * seqlen_local - 5)
+        bad += differ
+        if rank == 0:
+            print(f"  P={P} stream ordering: the ring (3 modes) and decode with the comm, then the compute stream "
+                  f"held back: {'the same bits' if not differ else 'DIFFERENT bits'} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
     everyone = comm.gather(bad, root=0)
     if rank == 0:
         flat = [b for r in everyone for b in r]

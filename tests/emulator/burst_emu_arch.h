@@ -16,6 +16,7 @@
 // so a kernel that indexes a fragment wrongly disagrees with the NumPy backend.
 // Included by cuda/arch.cuh, after cuda/types.cuh.
 #pragma once
+#include <chrono>
 #include <type_traits>
 
 // ---- conversions (round to nearest even, like cvt.rn) ----------------------------------
@@ -171,3 +172,9 @@ inline float shfl_xor(float v, int lane_mask) {
 }
 
 inline float fast_exp2(float x) { return std::exp2(x); }
+
+// ---- time ------------------------------------------------------------------------------------
+inline long long global_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}

@@ -12,7 +12,7 @@ from burstmpi._interop import bfloat16
 pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
 
 BROKEN = ["exit_before_barrier", "divergent_collective", "lane_exits_in_collective", "smem_overflow"]
-NAMES = ["gemm_probe<half_t>", "gemm_probe<bf16_t>", "gemm_probe<float>", "broadcast"] + BROKEN
+NAMES = ["gemm_probe<half_t>", "gemm_probe<bf16_t>", "gemm_probe<float>", "stream_delay", "broadcast"] + BROKEN
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,16 @@ def test_fragment_gemms_match_numpy(lib, dtype, schedule):
     p = s.astype(np.float32).astype(dt).astype(np.float64) if dtype != "float32" else s
     assert np.allclose(c2.array, p @ f(z), rtol=1e-4, atol=1e-4)
     assert c1.intact() and c2.intact()
+
+
+def test_the_stream_delay_probe_waits_as_long_as_asked(lib):
+    """cuda/probe.cu's stream_delay (burstmpi-gpucheck's held-back stream) through
+    arch.cuh's global_ns: one warp, at least the nanoseconds asked."""
+    import time
+
+    t0 = time.perf_counter()
+    _launch(lib, "stream_delay", [("q", 30_000_000)], block=32, smem=0)
+    assert 0.03 <= time.perf_counter() - t0 < 5
 
 
 def test_missing_barrier_shows(lib):
