@@ -29,7 +29,8 @@ SUITE = ["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "a
          "backends/test_kernel_backend.py", "backends/test_cpu_kernels.py", "backends/test_cpu_packed.py",
          "backends/test_tile_runs.py",
          "backends/test_workspace.py", "gpu/test_gpu_runtime.py", "gpu/test_host_transfers.py",
-         "gpu/test_stream_order.py", "gpu/test_gpucheck_ordering.py", "decode/test_decode.py", "decode/test_decode_kernels.py",
+         "gpu/test_stream_order.py", "gpu/test_gpucheck_ordering.py",
+         "gpu/test_stream_switch.py", "decode/test_decode.py", "decode/test_decode_kernels.py",
          "bench/test_bench.py", "bench/test_bench_masks.py"]
 # 2, 3 (odd) and 4 run the whole suite; 8 (4 ranks a core on this CI) runs what depends on
 # the rank count through the ring, without the CUDA kernels on the emulator.

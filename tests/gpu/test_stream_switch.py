@@ -1,0 +1,66 @@
+"""A plan and a cache used in turn from two streams (CuPy's null stream, then another
+framework's, whose inputs are made on it): what burstmpi keeps between calls (packets,
+workspaces, the cache's K/V, device copies of positions) is never touched by the second
+stream before the first is done with it, by the stream sanitizer of the fake device
+(tests/gpu/fake_device.py), and the results match float64. Runs alone and under mpiexec."""
+
+import numpy as np
+import pytest
+
+import burstmpi
+import fake_cupy as fake
+import kernel_harness as kh
+from burstmpi import reference as ref
+from burstmpi._backends.cupy_backend import CupyBackend
+from conftest import COMM, NRANKS, check_close
+
+pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
+D = 32
+OTHER = 0x7777  # another framework's stream
+
+
+class _Emulated(CupyBackend):
+    lib = None
+
+    def launch(self, spec):
+        kh.launch(self.lib, spec)
+
+
+@pytest.fixture(params=["late", "early"])
+def gpu(monkeypatch, request):
+    _Emulated.lib = kh.library_on_every_rank(COMM, [("float32", D, D)])
+    xp = fake.install(monkeypatch, _Emulated, request.param)
+    yield xp
+    fake.DEVICE.sanitizer.check()
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_used_from_two_streams_in_turn(gpu):
+    xp = gpu
+    q, k, v, do = ref.random_problem(1, 16 * NRANKS + 3, 4, 2, D, dtype=np.float32, seed=1)
+    sh = lambda x: xp.asarray(burstmpi.shard(x, layout="zigzag"))
+    plan = burstmpi.BurstAttention(layout="zigzag", causal=True)
+    exact, plain = ref.backward(do, q, k, v, causal=True), ref.backward(do, q, k, v, causal=True, precision="plain")
+    for stream in (None, xp.cuda.ExternalStream(OTHER, 0)):
+        with stream or xp.cuda.get_current_stream():
+            args = [sh(x) for x in (q, k, v, do)]
+            out, lse = plan.forward(*args[:3])
+            grads = plan.backward(args[3], *args[:3], out, lse)
+            for name, g, e, p in zip(("dq", "dk", "dv"), grads, exact, plain):
+                check_close(f"two streams {name}", burstmpi.unshard(g.get(), layout="zigzag"), e, p, "float32")
+
+
+@pytest.mark.timeout(300)
+def test_a_cache_used_from_two_streams_in_turn(gpu):
+    xp = gpu
+    S, T = 4 * NRANKS + 1, 2
+    q, k, v, _ = ref.random_problem(1, S + 2 * T, 4, 2, D, dtype=np.float32, seed=6)
+    cache = burstmpi.KVCache(capacity=S + 2 * T, batch=1, kv_heads=2, head_dim=D, dtype=np.float32)
+    cache.prefill(*(xp.asarray(burstmpi.shard(x[:, :S], layout="zigzag")) for x in (q, k, v)), layout="zigzag")
+    o64, _ = ref.forward(q, k, v, causal=True)
+    op, _ = ref.forward(q, k, v, causal=True, precision="plain")
+    for t, stream in enumerate((None, xp.cuda.ExternalStream(OTHER, 0))):
+        with stream or xp.cuda.get_current_stream():
+            rows = slice(S + t * T, S + (t + 1) * T)
+            out = cache.decode(*(xp.asarray(x[:, rows]) for x in (q, k, v)))
+            check_close("two streams decode", out.get(), o64[:, rows], op[:, rows], "float32")
