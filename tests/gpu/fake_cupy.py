@@ -486,7 +486,6 @@ FakeCupy = _FakeCupy()
 
 STOP = None          # (world rank, "init" or "group", n): the rank that stops, where (``stop_peer``)
 _REACHED = Counter()  # this process's NCCL set-ups and groups of transfers so far
-_CONNECTED = set()    # (id of a FakeNcclComm, peer): connected by a first transfer
 
 
 def stop_peer(rank, at, n):
@@ -558,7 +557,7 @@ class FakeNccl:
         # Once connected to a peer that stopped, NCCL only queues the transfer: it never
         # completes, and nothing on the host blocks (``finish`` must see it).
         lost = {id(op) for op in ops if op[0] != "allgather" and STOP is not None and STOP[1] == "group"
-                and k >= STOP[2] and _world(op[1].mpi, op[2]) == STOP[0] and (id(op[1]), op[2]) in _CONNECTED}
+                and k >= STOP[2] and _world(op[1].mpi, op[2]) == STOP[0] and op[2] in op[1].connected}
         _connect([(op[1], op[2]) for op in ops if op[0] != "allgather"])
         for stream in dict.fromkeys(op[-1] for op in ops):
             mine = [op for op in ops if op[-1] is stream]
@@ -582,15 +581,21 @@ def _connect(pairs):
     """NCCL connects to a peer at the first transfer with it, on the host: a handshake both
     sides' groups make, waited for while every stream moves on (a peer that never comes
     holds this forever, the GIL released in the pauses, as in ncclGroupEnd)."""
-    new = [(c, p) for c, p in dict.fromkeys(pairs) if (id(c), p) not in _CONNECTED]
+    new = [(c, p) for c, p in dict.fromkeys(pairs) if p not in c.connected]
     if not new:
         return
     token = np.zeros(1, np.uint8)
     reqs = [r for c, p in new for r in (c.mpi.Isend([token, 0, MPI.BYTE], dest=p, tag=c.TAG + 1),
                                         c.mpi.Irecv([np.zeros(1, np.uint8), 0, MPI.BYTE], source=p, tag=c.TAG + 1))]
+    since = time.monotonic()
     while not MPI.Request.Testall(reqs):
-        DEVICE.idle()
-    _CONNECTED.update((id(c), p) for c, p in new)
+        if STOP is None:
+            DEVICE.idle(since, "NCCL's connection to a peer")
+        else:  # a stopped peer holds this until the watchdog ends the job
+            DEVICE.pump_all()
+            time.sleep(2e-5)
+    for c, p in new:
+        c.connected.add(p)
 
 
 class FakeNcclComm:
@@ -605,6 +610,10 @@ class FakeNcclComm:
         if comm.Get_size() > 1:
             _reach("init")
         self.mpi = comm.Dup()
+        # The peers connected by a first transfer (None: every rank, by an allgather). Kept
+        # per communicator: a set of ids would take a new communicator at a freed one's
+        # address for connected, on one rank and not on its peer.
+        self.connected = set()
 
     def _queued(self, op):
         if FakeNccl._open is None:
@@ -621,11 +630,11 @@ class FakeNcclComm:
         self._queued(("recv", self, peer, ptr, nbytes, where(), DEVICE.streams[stream]))
 
     def allGather(self, send, recv, nbytes, dtype, stream):
-        if (id(self), None) not in _CONNECTED:  # connected to every rank at the first one
-            req = self.mpi.Ibarrier()
+        if None not in self.connected:  # connected to every rank at the first one
+            req, since = self.mpi.Ibarrier(), time.monotonic()
             while not req.Test():
-                DEVICE.idle()
-            _CONNECTED.add((id(self), None))
+                DEVICE.idle(since, "NCCL's connection to every rank")
+            self.connected.add(None)
         self._queued(("allgather", self, send, recv, nbytes, where(), DEVICE.streams[stream]))
 
     def check_async_error(self):

@@ -390,20 +390,30 @@ class FakeDevice:
         for s in list(self.streams.values()):
             self.pump(s)
 
-    def idle(self):
-        """One turn of a host wait: every stream moved on, then a pause."""
+    # A host wait of the fake that lasts this long is a deadlock (of the fake, or of a
+    # program the fake runs): it fails the test instead of waiting for pytest's timeout.
+    # Longer than any deadline a test sets for burstmpi's watchdog to fire first.
+    STUCK_S = 120.0
+
+    def idle(self, since, what):
+        """One turn of a host wait that began at ``since`` (``time.monotonic()``): every
+        stream moved on, then a pause; AssertionError naming ``what`` past ``STUCK_S``."""
         self.pump_all()
         time.sleep(2e-5)
+        if time.monotonic() - since > self.STUCK_S:
+            queued = {s.name: len(s.queue) for s in self.streams.values() if s.queue}
+            raise AssertionError(f"fake GPU: {what} waited {self.STUCK_S:.0f} s (a deadlock; queued: {queued})")
 
     def _drain(self, stream):
         """Block until ``stream``'s queue is empty (pumping every stream meanwhile). A wait
         behind a stopped peer's transfer (``Stream.stalled``) is passed over: the real
         host would not block here, and the job ends at ``finish``'s deadline."""
+        since = time.monotonic()
         while not self.pump(stream):
             head = stream.queue[0]
             if stream.stalled and isinstance(head, Group) and head.lost:
                 return
-            self.idle()
+            self.idle(since, f"stream {stream.name}'s queue")
 
     def tick(self):
         """After each call into the fake: deferred work runs as the policy says."""
@@ -453,8 +463,9 @@ class FakeDevice:
         if not rec.counted:
             rec.counted = True
             self.on_sync()
+        since = time.monotonic()
         while not rec.done:
-            self.idle()
+            self.idle(since, f"an event of stream {rec.stream.name}")
         self._saw(rec.clock)
 
 
