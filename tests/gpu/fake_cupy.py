@@ -74,8 +74,8 @@ from burstmpi._transfers import Transfers
 from fake_device import DEVICE, Event, Group, Stream
 from stream_sanitizer import kernel_roles, where
 
-__all__ = ["COUNTS", "DEVICE", "DeviceArray", "FakeCupy", "FakeNccl", "FakeNcclComm", "install", "reset",
-           "stop_peer"]
+__all__ = ["COUNTS", "DEVICE", "DeviceArray", "FakeCupy", "FakeNccl", "FakeNcclComm", "install", "emulated",
+           "reset", "stop_peer"]
 
 COUNTS = Transfers()
 # Where each counted copy and wait came from, while ``TRACE`` is true: (kind, bytes, the
@@ -781,3 +781,19 @@ def install(monkeypatch, backend_class, policy="late", seed=0):
 
     monkeypatch.setattr(nccl, "NCCLTransport", Transport)
     return FakeCupy
+
+
+def emulated(monkeypatch, comm, configs, policy="late", seed=0):
+    """:func:`install` with ``CupyBackend``'s launches run on the CPU emulator
+    (tests/kernel_harness.py), whose library of the (dtype, d, dv) ``configs`` rank 0 of
+    ``comm`` compiles once. Returns the fake ``cupy``."""
+    import kernel_harness as kh
+    from burstmpi._backends.cupy_backend import CupyBackend
+
+    lib = kh.library_on_every_rank(comm, configs)
+
+    class Emulated(CupyBackend):
+        def launch(self, spec):
+            kh.launch(lib, spec)
+
+    return install(monkeypatch, Emulated, policy, seed)

@@ -3,12 +3,10 @@ asynchronous fake device: the held-back stream is the one asked for at every gro
 allgather, the delayed runs give the undelayed bits, and with a wait taken out the check
 reports the run whose bits changed. Needs 2+ ranks and g++ for the emulated kernels."""
 
-import numpy as np
 import pytest
 
 import fake_cupy as fake
 import kernel_harness as kh
-from burstmpi._backends.cupy_backend import CupyBackend
 from burstmpi._gpu import kernels
 from burstmpi._transport import comm as channels
 from burstmpi.bench import ordering
@@ -20,19 +18,11 @@ pytestmark = [pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g+
 D = 32
 
 
-class _Emulated(CupyBackend):
-    lib = None
-
-    def launch(self, spec):
-        kh.launch(self.lib, spec)
-
-
 @pytest.fixture
 def held(monkeypatch):
     """The fake device (``late``), with ``stream_delay`` as an operation on the stream it is
     queued on (which it records) that holds nothing back: the fake's interleavings do that."""
-    _Emulated.lib = kh.library_on_every_rank(COMM, [("float32", D, D)])
-    xp = fake.install(monkeypatch, _Emulated, "late")
+    xp = fake.emulated(monkeypatch, COMM, [("float32", D, D)], "late")
     streams = []
 
     def delay(device_id, ns):

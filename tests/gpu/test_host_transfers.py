@@ -30,7 +30,6 @@ import fake_cupy as fake
 import kernel_harness as kh
 from burstmpi import _transfers
 from burstmpi import reference as ref
-from burstmpi._backends.cupy_backend import CupyBackend
 from burstmpi._transfers import Transfers
 from burstmpi._transport import lifetime
 from burstmpi.masks import BlockSparse, Causal
@@ -46,15 +45,6 @@ HEADER = 32  # bytes of the decode's header per rank (4 int64: status, checksum,
 TABLE = {}  # (case, call, length) -> Transfers, reported at the end of the session
 
 
-class _Emulated(CupyBackend):
-    """The CuPy backend (fake CuPy arrays) with its launches run on the emulator."""
-
-    lib = None
-
-    def launch(self, spec):
-        kh.launch(self.lib, spec)
-
-
 # How the fake device runs the comm streams' work (tests/gpu/fake_device.py): as late as
 # allowed, as early as allowed, and two seeded random interleavings.
 POLICIES = [("late", 0), ("early", 0), ("random", 1), ("random", 2)]
@@ -64,8 +54,7 @@ POLICIES = [("late", 0), ("early", 0), ("random", 1), ("random", 2)]
 def gpu(monkeypatch, request):
     """burstmpi's "cuda" path on the fake CuPy (an asynchronous device, each policy of
     ``POLICIES``), NCCL and the emulated kernels; the stream sanitizer finds no race."""
-    _Emulated.lib = kh.library_on_every_rank(COMM, CONFIGS)
-    xp = fake.install(monkeypatch, _Emulated, *request.param)
+    xp = fake.emulated(monkeypatch, COMM, CONFIGS, *request.param)
     yield xp
     fake.DEVICE.sanitizer.check()
 

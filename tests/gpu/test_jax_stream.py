@@ -12,7 +12,6 @@ import burstmpi
 import fake_cupy as fake
 import kernel_harness as kh
 from burstmpi import reference as ref
-from burstmpi._backends.cupy_backend import CupyBackend
 from conftest import COMM, check_close
 from mutation import without
 
@@ -25,17 +24,9 @@ D = 32
 XLA_STREAM = 0xABC0  # the pointer XLA's execution context would give
 
 
-class _Emulated(CupyBackend):
-    lib = None
-
-    def launch(self, spec):
-        kh.launch(self.lib, spec)
-
-
 @pytest.fixture(params=[("late", 0), ("early", 0), ("random", 3)], ids=lambda p: f"{p[0]}{p[1] or ''}")
 def gpu(monkeypatch, request):
-    _Emulated.lib = kh.library_on_every_rank(COMM, [("float32", D, D)])
-    xp = fake.install(monkeypatch, _Emulated, *request.param)
+    xp = fake.emulated(monkeypatch, COMM, [("float32", D, D)], *request.param)
     monkeypatch.setattr(bj, "_cupy", lambda: xp)
     return xp
 

@@ -26,7 +26,6 @@ import burstmpi
 import fake_cupy as fake
 import kernel_harness as kh
 from burstmpi import reference as ref
-from burstmpi._backends.cupy_backend import CupyBackend
 from conftest import COMM, NRANKS, RANK, REPORTS, check_close
 from mutation import without
 
@@ -35,13 +34,6 @@ ranks = pytest.mark.skipif(NRANKS < 2, reason="one rank transfers nothing (run u
 
 D = 32
 ROOT = Path(burstmpi.__file__).resolve().parent
-
-
-class _Emulated(CupyBackend):
-    lib = None
-
-    def launch(self, spec):
-        kh.launch(self.lib, spec)
 
 
 def _ring(xp, mode, calls=2, Z=4, Zkv=2, **opts):
@@ -216,8 +208,7 @@ COVERED_MESSAGES = []
 
 @pytest.fixture
 def gpu(monkeypatch):
-    _Emulated.lib = kh.library_on_every_rank(COMM, [("float32", D, D)])
-    return fake.install(monkeypatch, _Emulated, "late")
+    return fake.emulated(monkeypatch, COMM, [("float32", D, D)], "late")
 
 
 def _outcome(xp, scenario):

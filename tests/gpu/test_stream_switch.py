@@ -11,7 +11,6 @@ import burstmpi
 import fake_cupy as fake
 import kernel_harness as kh
 from burstmpi import reference as ref
-from burstmpi._backends.cupy_backend import CupyBackend
 from conftest import COMM, NRANKS, check_close
 
 pytestmark = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
@@ -19,17 +18,9 @@ D = 32
 OTHER = 0x7777  # another framework's stream
 
 
-class _Emulated(CupyBackend):
-    lib = None
-
-    def launch(self, spec):
-        kh.launch(self.lib, spec)
-
-
 @pytest.fixture(params=["late", "early"])
 def gpu(monkeypatch, request):
-    _Emulated.lib = kh.library_on_every_rank(COMM, [("float32", D, D)])
-    xp = fake.install(monkeypatch, _Emulated, request.param)
+    xp = fake.emulated(monkeypatch, COMM, [("float32", D, D)], request.param)
     yield xp
     fake.DEVICE.sanitizer.check()
 
