@@ -131,6 +131,7 @@ class Runtime:
         # with its own plan's deadline.
         self.transport.timeout = self.timeout
         if getattr(self.backend, "name", None) == kind and self.nodes is not None:
+            self._follow_stream()
             return
         # The slowed links' setting picks the host transport and is refused with GPU arrays:
         # agreed on here for every caller (a plan, a KV cache). First of the call's
@@ -151,6 +152,7 @@ class Runtime:
                                  "'nccl' or 'mpi'")
             refuse_device_arrays(fn, self.nodes, self.settings.internode_gbps)  # the same on every rank (agreed above)
             self._use_cuda(fn)
+            self._follow_stream()
         elif self.backend is None or self.backend.name == "cuda":
             if self.backend is not None:  # back from the GPU: host buffers, the host transport
                 self.release()
@@ -170,6 +172,13 @@ class Runtime:
                 error = e
             agree(self.comm, fn, error, [], timeout=self.timeout)
             self.backend = backend
+
+    def _follow_stream(self):
+        """On a GPU, order this call after the previous one where the caller's stream
+        changed (``CupyBackend.follow``)."""
+        follow = getattr(self.backend, "follow", None)
+        if follow is not None:
+            follow()
 
     def convert(self, fn, arrays):
         """The call's arrays in the backend's memory: CuPy arrays ready for the kernels on

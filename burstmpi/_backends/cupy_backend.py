@@ -26,6 +26,23 @@ class CupyBackend(KernelBackend):
         self.device = cupy.cuda.Device(device_id)
         super().__init__(smem_limit=int(self.device.attributes["MaxSharedMemoryPerBlockOptin"]))
         self._functions = {}
+        self._stream = None  # the stream the previous call ran on
+
+    def follow(self):
+        """A call begins, on the caller's current stream. What burstmpi keeps between calls
+        (the arena's packets and workspaces, a KV cache, positions and masks copied to the
+        device) was last used on the previous call's stream: where the stream changed (CuPy's,
+        then JAX's or torch's), the new one waits for the old one's work first, through an
+        event, so the two never use those buffers at once. If the old stream is gone (its
+        framework destroyed it), the host waits for the device instead (counted)."""
+        cur = self.xp.cuda.get_current_stream()
+        prev, self._stream = self._stream, cur
+        if prev is None or prev.ptr == cur.ptr:
+            return
+        try:
+            cur.wait_event(prev.record())
+        except Exception:  # noqa: BLE001 - a destroyed stream: CUDA reports an invalid handle
+            _transfers.synchronize(self.device)
 
     @staticmethod
     def ptr(a):

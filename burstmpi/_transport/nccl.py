@@ -159,8 +159,11 @@ class NCCLTransport:
     # pairs with its neighbours' t-th: a packet is never sent on ahead of its step's group.
     eager = False
     # burstmpi-gpucheck's ordering check only: ("comm" or "compute", ns) holds that stream
-    # back by ns at every group and allgather (cuda/probe.cu's stream_delay), so that a
-    # missing wait between the two streams changes the bits on silicon. None otherwise.
+    # back by ns (cuda/probe.cu's stream_delay), so that a missing wait between the two
+    # streams changes the bits on silicon. The comm stream is held back after its wait for
+    # the kernels, before each group's transfers and the allgather: they land late. The
+    # compute stream is held back after the event the comm stream waits for, and after
+    # each phase: the kernels that produce the next transfers' data run late. None otherwise.
     delay = None
 
     def __init__(self, comm, device_id, timeout_s=300.0, *, _cupy=None, _nccl=None, _nccl_comm=None):
@@ -216,9 +219,9 @@ class NCCLTransport:
             # with is packed into a staging buffer there: ``comm.Channel``); NCCL launches
             # the group's transfers on its stream at groupEnd, behind this wait.
             compute = self._cupy.cuda.get_current_stream()
-            self._held_back("compute", compute)
             self.stream.wait_event(compute.record())
             self._held_back("comm", compute)
+            self._held_back("compute", compute)
             peers = tuple(dict.fromkeys(self._peers))
             # ncclGroupEnd waits on the host for a peer's side the first time it transfers
             # with it (NCCL connects then), and whenever NCCL's queue of work is full.
@@ -288,9 +291,9 @@ class NCCLTransport:
         kernels that wrote ``send`` and before any that read ``recv`` (no host wait; NCCL
         connects to the peers at the first one, under the deadline)."""
         compute = self._cupy.cuda.get_current_stream()
-        self._held_back("compute", compute)
         self.stream.wait_event(compute.record())
         self._held_back("comm", compute)
+        self._held_back("compute", compute)
         with guard(f"ncclAllGather over {self._name([None])} (NCCL connects to its peers at the first one)",
                    self.timeout_s):
             self.nccl_comm.allGather(send.data.ptr, recv.data.ptr, send.nbytes, self._nccl.NCCL_UINT8,
@@ -320,3 +323,4 @@ class NCCLTransport:
             time.sleep(1e-4)
         self._last = None
         self._unfinished.clear()
+        self._held_back("compute", self._cupy.cuda.get_current_stream())  # the next phase's producers

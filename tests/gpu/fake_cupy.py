@@ -35,14 +35,20 @@ array would slip past this fake, and real CuPy would raise on it.
 ``DeviceArray.__module__`` starts with "cupy" so that ``_interop.like`` takes it for a CuPy
 array (it asks the array's module).
 
+The device is asynchronous (tests/gpu/fake_device.py): kernels and array operations run on
+the current stream (a stack: ``with stream``, ``ExternalStream``), after the waits queued
+on it; NCCL's comm streams queue their work; the stream sanitizer checks every access.
+A new array's bytes are 0xFF (NaN in every float dtype: a read of bytes nobody wrote
+shows), as a pool's memory holds whatever was there.
+
 NCCL: :class:`FakeNccl` (the ``nccl`` module's group calls, unique id, communicator
 constructor and constants) and :class:`FakeNcclComm` (a communicator: ``send``/``recv``
-queued in a group and run over MPI on a communicator of their own when the group closes,
-``allGather`` at once), which read and write device memory through its addresses, never
-through a host copy. burstmpi makes its communicators as with CuPy's NCCL
-(``nccl.communicator``: the unique id's broadcast, the set-up under the deadline, kept by
-``lifetime``). Streams and events are already complete when asked (the emulated kernels
-run synchronously).
+collected in a group, queued on their stream when it closes and posted over MPI, on a
+communicator of their own, when the stream gets there; ``allGather`` likewise), which read
+and write device memory through its addresses, never through a host copy. The first
+transfer with a peer connects to it on the host, as NCCL does. burstmpi makes its
+communicators as with CuPy's NCCL (``nccl.communicator``: the unique id's broadcast, the
+set-up under the deadline, kept by ``lifetime``).
 
 A peer that stops answering (:func:`stop_peer`), for the deadline tests
 (tests/gpu/test_nccl_deadline.py): one rank stops (SIGSTOP: a frozen host, which prints
@@ -50,11 +56,13 @@ and answers nothing until the launcher kills it) at its n-th NCCL set-up or grou
 transfers, and the other ranks see what NCCL would show them:
 
 - a set-up it never joins, or a first transfer with it (NCCL connects then): their
-  ``NcclCommunicator`` or ``groupEnd`` blocks forever in an MPI call, which releases the
-  GIL as CuPy's NCCL calls do (``with nogil``), so the watchdog's thread can end the job;
+  ``NcclCommunicator`` blocks forever in an MPI call, and ``groupEnd`` in the connection's
+  wait, both releasing the GIL as CuPy's NCCL calls do (``with nogil``), so the watchdog's
+  thread can end the job;
 - a transfer once connected: ``groupEnd`` returns (NCCL only queues the work) and the
   transfer never completes: the events recorded on its stream afterwards are never done,
-  so only ``NCCLTransport.finish``'s polled deadline can see it.
+  so only ``NCCLTransport.finish``'s polled deadline can see it (the kernels waiting for
+  them run on, as the host would not block there).
 
 The others know when the stopped rank stopped by counting alike: every rank's k-th group
 of transfers pairs with its neighbours' k-th (as NCCL needs of the ring's groups).
@@ -132,6 +140,12 @@ def _dev(x):
     return x
 
 
+def _basic(key):
+    """Whether an index (``_index``'s) is NumPy's basic indexing: a view, no copy."""
+    parts = key if isinstance(key, tuple) else (key,)
+    return all(p is None or p is Ellipsis or isinstance(p, (slice, int, np.integer)) for p in parts)
+
+
 def _index(key):
     """``key`` with device arrays as plain views; a NumPy index array is copied to the
     device implicitly by CuPy: counted."""
@@ -197,6 +211,11 @@ class DeviceArray(np.ndarray):
 
     def __dlpack_device__(self):
         return (2, 0)  # kDLCUDA, device 0
+
+    def __array_finalize__(self, obj):
+        # Every device array over an allocation counts: its memory goes back to the pool
+        # when the last one goes (``FakeDevice.view_made``).
+        DEVICE.view_made(self, _root(self))
 
     @property
     def data(self):
@@ -287,10 +306,29 @@ class DeviceArray(np.ndarray):
         return _new(result)
 
     def __getitem__(self, key):
-        got = super().__getitem__(_index(key))
-        if isinstance(got, np.ndarray) and _root(got) is _root(self):
-            return _dev(got)  # a view: nothing runs on the device
-        return _new(_op("an indexed copy", reads=[self], run=lambda: got))
+        key = _index(key)
+        if _basic(key):  # a view (or one element's): nothing runs on the device
+            return _dev(np.ndarray.__getitem__(self, key))
+        return _new(_op("an indexed copy", reads=[self], run=lambda: np.ndarray.__getitem__(self, key)))
+
+    def _copy_or_view(self, name, *args, **kwargs):
+        """``reshape``, ``ravel``, ``flatten``: a view where NumPy can make one, else a copy
+        that runs on the device (CuPy's likewise)."""
+        run = lambda: getattr(self.view(np.ndarray), name)(*args, **kwargs)
+        got = run()
+        if name != "flatten" and _root(got) is _root(self):
+            return _dev(got)
+        # A copy: made again once the stream's queued waits are met (``_op``).
+        return _new(_op(f"{name}() (a copy)", reads=[self], run=run))
+
+    def reshape(self, *shape, order="C"):
+        return self._copy_or_view("reshape", *shape, order=order)
+
+    def ravel(self, order="C"):
+        return self._copy_or_view("ravel", order)
+
+    def flatten(self, order="C"):
+        return self._copy_or_view("flatten", order)
 
     def __setitem__(self, key, value):
         if _is_host_array(value) and value.ndim > 0:
@@ -358,9 +396,17 @@ def asnumpy(a, stream=None, order="C", out=None):
     return np.asarray(a)
 
 
+def _poisoned(x):
+    """New memory as CuPy's pool hands it out: whatever was there. Here all bytes 0xFF (NaN
+    in every float dtype), so a read of bytes nobody wrote shows in the results."""
+    x.reshape(-1, order="A").view(np.uint8)[...] = 0xFF  # a fresh array is contiguous: a view
+    return x
+
+
 def _maker(name):
     def make(*args, **kwargs):
-        return _new(getattr(np, name)(*args, **kwargs))
+        got = getattr(np, name)(*args, **kwargs)
+        return _new(_poisoned(got) if name == "empty" and got.size else got)
     make.__name__ = name
     return make
 
@@ -374,7 +420,10 @@ def _on_device(name):
         run = lambda: getattr(np, name)(*conv, **{k: _base(v) for k, v in kwargs.items()})
         if name in _VIEWS:
             return _dev(run())
-        return _new(_op(f"cupy.{name}", reads=flat + list(kwargs.values()), run=run), *flat)
+        out = kwargs.get("out")
+        outs = list(out) if isinstance(out, tuple) else [out] if out is not None else []
+        result = _op(f"cupy.{name}", reads=flat + [v for k, v in kwargs.items() if k != "out"], writes=outs, run=run)
+        return out if out is not None else _new(result, *flat)
     run.__name__ = name
     return run
 
@@ -384,7 +433,8 @@ _VIEWS = ("broadcast_to", "moveaxis", "flip")  # views: nothing runs on the devi
 
 def _like(name):
     def make(a, *args, **kwargs):
-        return _new(getattr(np, name)(_base(a), *args, **kwargs))
+        got = getattr(np, name)(_base(a), *args, **kwargs)
+        return _new(_poisoned(got) if name == "empty_like" and got.size else got)
     make.__name__ = name
     return make
 
@@ -686,10 +736,13 @@ class _Pumping:
 
 
 def _host_mpi(monkeypatch):
-    """MPI's transfers read and write memory on the host's behalf: device buffers handed
-    to a CUDA-aware MPI, and the host copies of the staged transport. Each is a host access
+    """MPI's transfers read and write memory for the host: device buffers handed to a
+    CUDA-aware MPI, and the host copies of the staged transport. A nonblocking transfer
+    touches its buffer from its post until the host waits for it
+    (``FakeDevice.mpi_posted``, ``mpi_waited``); a blocking collective, while it runs
     (``FakeDevice.host_access``): MPI must not read what a stream still writes, nor
-    overwrite what a stream still reads (a copy from pinned memory)."""
+    overwrite what a stream still reads (a copy from pinned memory), and no stream may
+    touch a buffer MPI has not finished with."""
     from burstmpi._transport import mpi
 
     def wrap(cls, name, write):
@@ -699,8 +752,9 @@ def _host_mpi(monkeypatch):
             req = real(self, buf, peer, tag)
             host = getattr(req, "host", buf)  # a staged request's host copy
             if isinstance(host, np.ndarray):
-                DEVICE.host_access(*_span(host), write, f"MPI {'Irecv into' if write else 'Isend from'} "
-                                   f"{'device' if isinstance(host, DeviceArray) else 'host'} memory")
+                DEVICE.mpi_posted(getattr(req, "req", req), *_span(host), write,
+                                  f"MPI {'Irecv into' if write else 'Isend from'} "
+                                  f"{'device' if isinstance(host, DeviceArray) else 'host'} memory")
             return req
 
         call.__wrapped__ = real  # a mutation test finds burstmpi's own function behind it
@@ -709,6 +763,16 @@ def _host_mpi(monkeypatch):
     for cls in (mpi.MPITransport, mpi.StagedMPITransport):
         wrap(cls, "isend", False)
         wrap(cls, "irecv", True)
+    real_wait = mpi.MPITransport.wait
+
+    def wait(self, requests, peers=()):
+        done = real_wait(self, requests, peers)
+        for r in requests:
+            DEVICE.mpi_waited(r)
+        return done
+
+    wait.__wrapped__ = real_wait
+    monkeypatch.setattr(mpi.MPITransport, "wait", wait)
     real_gather = mpi.MPITransport.allgather
 
     def allgather(self, send, recv):

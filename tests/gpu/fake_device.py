@@ -57,10 +57,11 @@ def _memory(ptr, nbytes):
 class _Record:
     """An event's point in a stream's queue."""
 
-    __slots__ = ("stream", "clock", "done", "counted")
+    __slots__ = ("stream", "clock", "done", "counted", "lost")
 
-    def __init__(self, stream, clock):
+    def __init__(self, stream, clock, lost=False):
         self.stream, self.clock, self.done, self.counted = stream, clock, False, False
+        self.lost = lost  # behind a stopped peer's transfers: never reached
 
 
 class _Wait:
@@ -127,7 +128,7 @@ class Stream:
         self.name = _name or ("null" if null else f"{'external' if ptr is not None else 'comm'}#{self.id}")
         self.clock = {self.id: 0}
         self.queue = deque()
-        self.stalled = False  # queued work with a stopped peer: never completes
+        self.stalled = False  # queued work with a stopped peer: what follows never completes
         if _register:
             d.streams[self.ptr] = self
 
@@ -196,7 +197,9 @@ class FakeDevice:
         self.arrays = {}    # pointer -> (lo, hi) of the array ``data`` last gave it for
         self.allocs = []    # sorted (lo, hi) of live allocations
         self.owners = {}    # lo -> a weak reference to the allocation's array
+        self.views = {}     # lo -> [(lo, hi), the stream it was made on, device arrays over it]
         self.frees = []     # ((lo, hi), stream, place) freed since the last operation
+        self.requests = {}  # id of an MPI request -> (it, the stream its transfer is on)
         self.null = None
         self.current = []
         self._pumping = set()
@@ -236,18 +239,36 @@ class FakeDevice:
             self.sanitizer.forget(lo, hi)
             bisect.insort(self.allocs, (lo, hi))
             self.owners[lo] = weakref.ref(root)
-            weakref.finalize(root, self._freed, (lo, hi), self.current[-1])
+            self.views[lo] = [(lo, hi), self.current[-1], 0]
+            self.view_made(a, root)
+            weakref.finalize(root, self._gone, (lo, hi))
             self.eager([(lo, hi, True)], "a new array (memory pool)")
 
-    def _freed(self, span, stream):
-        """An array's memory back in CuPy's pool, which may hand it to the next allocation
-        on ``stream`` (the one it was made on): checked as a write there, at the next
-        operation (a finalizer runs at any time: ``_issue`` takes it up)."""
+    def view_made(self, a, root):
+        """A device array ``a`` over ``root``'s memory: the memory goes back to the pool when
+        the last such array goes (CuPy's rule), though queued work may hold ``root`` longer
+        (the fake keeps what a queued transfer reads or writes alive)."""
+        entry = self.views.get(root.ctypes.data)
+        if entry is not None and self.owners[root.ctypes.data]() is root:
+            entry[2] += 1
+            weakref.finalize(a, self._view_gone, root.ctypes.data, entry)
+
+    def _view_gone(self, lo, entry):
+        entry[2] -= 1
+        if entry[2] == 0 and self.views.get(lo) is entry:
+            del self.views[lo]
+            span, stream, _ = entry
+            self.frees.append((span, stream, where()))
+
+    def _gone(self, span):
+        """The memory itself is NumPy's again (it may hand it out at once)."""
         i = bisect.bisect_left(self.allocs, span)
         if i < len(self.allocs) and self.allocs[i] == span:
             del self.allocs[i]
         self.owners.pop(span[0], None)
-        self.frees.append((span, stream, where()))
+        entry = self.views.pop(span[0], None)
+        if entry is not None:  # no device array was left to say so
+            self.frees.append((span, entry[1], where()))
 
     def _check_frees(self):
         while self.frees:
@@ -307,6 +328,23 @@ class FakeDevice:
         self.host[self.hoststream.id] += 1
         self.sanitizer.access(self.hoststream, self.host, lo, hi, write, what, record=False)
 
+    def mpi_posted(self, request, lo, hi, write, what):
+        """MPI reads (a send) or writes (a receive) bytes [lo, hi) from the time ``request``
+        is posted until the host waits for it (``mpi_waited``): an operation of a stream of
+        its own, which starts after what the host has seen, and which the host sees done
+        at the wait."""
+        self._check_frees()
+        r = Stream(_eager=True, _name="MPI's", _register=False)
+        _join(r.clock, self.host)
+        r.clock[r.id] += 1
+        self.sanitizer.access(r, r.clock, lo, hi, write, what)
+        self.requests[id(request)] = (request, r)
+
+    def mpi_waited(self, request):
+        got = self.requests.pop(id(request), None)
+        if got is not None:
+            self._saw(got[1].clock)
+
     def host_read(self, accesses, what, run):
         """A copy to the host on the current stream, which the host waits for (``get``,
         ``item``): ``run()``'s result."""
@@ -330,7 +368,7 @@ class FakeDevice:
 
     def record(self, stream):
         _join(stream.clock, self.host)
-        rec = _Record(stream, dict(stream.clock))
+        rec = _Record(stream, dict(stream.clock), lost=stream.stalled)
         if stream.eager and not stream.queue:
             rec.done = True
         else:
@@ -367,7 +405,7 @@ class FakeDevice:
                 r = e.record
                 if not r.done and r.stream is not stream:
                     self.pump(r.stream)
-                if not r.done and not r.stream.stalled:
+                if not r.done and not r.lost:
                     return False
             elif isinstance(e, _Record):
                 e.done = True
@@ -399,15 +437,19 @@ class FakeDevice:
         """One turn of a host wait that began at ``since`` (``time.monotonic()``): every
         stream moved on, then a pause; AssertionError naming ``what`` past ``STUCK_S``."""
         self.pump_all()
-        time.sleep(2e-5)
-        if time.monotonic() - since > self.STUCK_S:
+        waited = time.monotonic() - since
+        # 20 us at first, then 0.5 ms: ranks outnumber cores in the tests, and a rank that
+        # spins takes the core its peer needs to get here.
+        time.sleep(2e-5 if waited < 0.01 else 5e-4)
+        if waited > self.STUCK_S:
             queued = {s.name: len(s.queue) for s in self.streams.values() if s.queue}
             raise AssertionError(f"fake GPU: {what} waited {self.STUCK_S:.0f} s (a deadlock; queued: {queued})")
 
     def _drain(self, stream):
         """Block until ``stream``'s queue is empty (pumping every stream meanwhile). A wait
-        behind a stopped peer's transfer (``Stream.stalled``) is passed over: the real
-        host would not block here, and the job ends at ``finish``'s deadline."""
+        for an event behind a stopped peer's transfer (``_Record.lost``) is passed over, and
+        so is that transfer: the real host would not block here, and the job ends at
+        ``finish``'s deadline."""
         since = time.monotonic()
         while not self.pump(stream):
             head = stream.queue[0]
@@ -419,10 +461,10 @@ class FakeDevice:
         """After each call into the fake: deferred work runs as the policy says."""
         if self.policy == "early":
             self.pump_all()
-        elif self.policy == "random" and self.streams:
-            if self.rng.random() < 0.5:
-                s = self.rng.choice(list(self.streams.values()))
-                self.pump(s, most=self.rng.randint(1, 3))
+        elif self.policy == "random":
+            busy = [s for s in self.streams.values() if s.queue]
+            if busy and self.rng.random() < 0.5:
+                self.pump(self.rng.choice(busy), most=self.rng.randint(1, 3))
 
     # -- the host waiting -------------------------------------------------------------------
 

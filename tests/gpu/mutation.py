@@ -62,6 +62,9 @@ def without(monkeypatch, module, function, line, replacement="pass"):
     original = _originals(module).get(function)
     if original is None:
         raise AssertionError(f"mutation: {module.__name__}: no function {function}")
+    if getattr(original, "__mutated__", False):  # its code is rebuilt from the file: the first mutant would go
+        raise AssertionError(f"mutation: {module.__name__}.{function} is already a mutant: take one line out "
+                             "of a function at a time")
     body, first = inspect.getsourcelines(original)
     span = range(first - 1, first - 1 + len(body))
     hits = [i for i in span if lines[i].strip() == line.strip()]
@@ -86,4 +89,5 @@ def without(monkeypatch, module, function, line, replacement="pass"):
     if target is None:
         raise AssertionError(f"mutation: {module.__name__}: no function {outer.co_qualname} to mutate")
     monkeypatch.setattr(target, "__code__", outer)
+    monkeypatch.setattr(target, "__mutated__", True, raising=False)
     return lineno

@@ -184,3 +184,56 @@ def test_the_sanitizer_raises_with_every_race(dev):
     with pytest.raises(Race, match=r"1 stream race\(s\) on the fake GPU:\n  stream race on device bytes"):
         DEVICE.sanitizer.check()
     DEVICE.sanitizer.check()  # forgotten once raised
+
+
+def test_an_array_dropped_while_a_queued_send_reads_it_goes_back_to_the_pool_at_once(dev):
+    """CuPy's pool takes the memory back when the last array over it goes, though a queued
+    transfer still reads it: the fake keeps the bytes (for the transfer) but counts the free."""
+    src, dst, ev, comm = _self_transfer(dev, "late")
+    del src
+    cp.zeros(4, np.float32)  # the next operation takes the free up
+    found = _races()
+    assert any("memory freed to the pool" in r and "NCCL send to rank 0" in r for r in found), found
+    ev.synchronize()
+
+
+def test_out_of_a_module_function_is_written(dev):
+    a, b = cp.zeros(8, np.uint64), cp.ones(8, np.uint64)
+    _made()
+    with cp.cuda.Stream(non_blocking=True):
+        cp.bitwise_xor(a, b, out=a)  # as the decode's header fingerprint
+    a.sum()
+    found = _races()
+    assert len(found) == 1 and "read by sum()" in found[0] and "write by cupy.bitwise_xor" in found[0], found
+
+
+def test_reshape_that_copies_runs_on_the_device(dev):
+    a = cp.zeros((4, 6), np.float32)[:, :4]
+    _made()
+    with cp.cuda.Stream(non_blocking=True):
+        a.fill(1)
+    assert a.reshape(16).shape == (16,)  # not contiguous: a copy, which reads a
+    assert len(_races()) == 1
+    assert a[:2].reshape(2, 2, 2).base is not None and _races() == []  # a view: no access
+
+
+def test_an_indexed_copy_reads_after_the_streams_waits(dev):
+    src, dst, ev, comm = _self_transfer(dev, "late")
+    cp.cuda.get_current_stream().wait_event(ev)
+    assert dst[cp.arange(8)].get().tolist() == list(range(8))  # the gather waits for the receive
+    assert _races() == []
+
+
+def test_an_mpi_transfer_touches_its_buffer_until_the_host_waits(dev):
+    """A CUDA-aware MPI receive writes device memory from its post to its wait: a kernel
+    reading it between the two races; after the wait, it does not."""
+    buf = cp.zeros(8, np.float32)
+    _made()
+    req = object()
+    DEVICE.mpi_posted(req, buf.data.ptr, buf.data.ptr + buf.nbytes, True, "MPI Irecv into device memory")
+    buf.sum()
+    found = _races()
+    assert len(found) == 1 and "write by MPI Irecv into device memory on stream MPI's" in found[0], found
+    DEVICE.mpi_waited(req)
+    buf.sum()
+    assert _races() == []

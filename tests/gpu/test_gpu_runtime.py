@@ -110,6 +110,15 @@ class _Stream:
     def wait_event(self, ev):
         self.log("wait", self.name, ev.name)
 
+    def __enter__(self):  # current (``with stream``): what a kernel launched now runs on
+        _CURRENT.append(self.name)
+
+    def __exit__(self, *exc):
+        _CURRENT.pop()
+
+
+_CURRENT = []
+
 
 def _fakes():
     log = _Log()
@@ -212,6 +221,30 @@ def test_nccl_allgather_is_ordered_after_the_kernels_and_before_the_merge():
                      ("wait", "compute")]
     assert log[1][2] == log[0][2] and log[-1][2] == log[-2][2] and log[2][2]
     t.finish()
+
+
+@pytest.mark.parametrize("which", ["comm", "compute"])
+def test_gpucheck_holds_back_the_stream_asked_for_where_a_missing_wait_would_show(monkeypatch, which):
+    """``NCCLTransport.delay`` (burstmpi-gpucheck's ordering check): the comm stream held back
+    after its wait for the kernels and before the transfers (they land late); the compute
+    stream after the event the comm stream waits for (the next transfers' producers run
+    late), and after each phase's host wait; never before that event (which would hold the
+    comm stream back with it)."""
+    from burstmpi._gpu import kernels
+
+    t, log, Buf = _fakes()
+    monkeypatch.setattr(kernels, "delay", lambda device, ns: log("delay", _CURRENT[-1] if _CURRENT else "compute", ns))
+    monkeypatch.setattr(nccl.NCCLTransport, "delay", (which, 5000))
+    with t.group():
+        t.isend(Buf(64), 1, 11)
+    t.allgather(Buf(8), Buf(32))
+    t.finish()
+    steps = [e[0] if e[0] in ("groupStart", "groupEnd", "allGather") else e[:2] for e in log]
+    held = ("delay", which)
+    assert steps == ["groupStart", ("send", 1), ("record", "compute"), ("wait", "comm"), held, "groupEnd",
+                     ("record", "comm"), ("record", "compute"), ("wait", "comm"), held, "allGather",
+                     ("record", "comm"), ("wait", "compute")] + ([held] if which == "compute" else []), steps
+    assert all(e[2] == 5000 for e in log if e[0] == "delay")
 
 
 def test_nccl_transport_refuses_transfers_outside_a_group():

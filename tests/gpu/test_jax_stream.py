@@ -41,31 +41,31 @@ def _xla(xp, arrays):
     return bufs
 
 
-def _results(xp, outs):
-    """XLA's consumers read the results on its stream."""
-    with xp.cuda.ExternalStream(XLA_STREAM, 0):
-        return [o.get() for o in outs]
-
-
 def _call(xp, run, outs_like, ins):
+    """One buffer callback: XLA's output buffers (made on its stream), then burstmpi on the
+    input buffers ``ins``; the outputs stay XLA's, on the device."""
     ctx = type("ExecutionContext", (), {"stream": XLA_STREAM})()
     outs = _xla(xp, [np.zeros(s, d) for s, d in outs_like])
-    bj._on_buffers(run, ctx, outs, *_xla(xp, ins))
-    return _results(xp, outs)
+    bj._on_buffers(run, ctx, outs, *ins)
+    return outs
 
 
 def _forward_backward(xp):
+    """The forward, then the backward on its outputs, as XLA chains them on its stream (no
+    host wait between); the host reads the results at the end, on XLA's stream."""
     N, Z, Zkv = 8 * COMM.Get_size() + 3, 4, 2
     q, k, v, do = ref.random_problem(1, N, Z, Zkv, D, dtype=np.float32, seed=11)
     sh = lambda x: burstmpi.shard(x, layout="zigzag")
     options = dict(causal=True, window=None, softmax_scale=None, layout="zigzag", bwd_comm="auto", mask=None,
                    head_parallel=1, topology="flat", timeout=None, backend="cpu")  # as attention() makes them
     run_forward, run_backward = bj._runners(None, COMM, options)
-    ql, kl, vl, dol = sh(q), sh(k), sh(v), sh(do)
+    ql, kl, vl, dol = _xla(xp, [sh(x) for x in (q, k, v, do)])
     C = ql.shape[1]
     out, lse = _call(xp, run_forward, [(ql.shape, np.float32), ((1, Z, C), np.float32)], [ql, kl, vl])
     grads = _call(xp, run_backward, [(ql.shape, np.float32), (kl.shape, np.float32), (vl.shape, np.float32)],
                   [dol, ql, kl, vl, out, lse])
+    with xp.cuda.ExternalStream(XLA_STREAM, 0):  # XLA's consumers
+        out, *grads = [x.get() for x in [out] + grads]
     un = lambda x: burstmpi.unshard(x, layout="zigzag")
     exact, plain = ref.forward(q, k, v, causal=True), ref.forward(q, k, v, causal=True, precision="plain")
     check_close("jax on XLA's stream out", un(out), exact[0], plain[0], "float32")
