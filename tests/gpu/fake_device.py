@@ -224,8 +224,8 @@ class FakeDevice:
 
     def allocated(self, a):
         """A new array's bytes: its allocation is a write on the current stream (CuPy's
-        pool hands out memory in the current stream's order). Its freeing is one too
-        (``_freed``)."""
+        pool hands out memory in the current stream's order). Its freeing is one too, on
+        the same stream, when the last device array over it goes (``_view_gone``)."""
         root = a
         while isinstance(root.base, np.ndarray):
             root = root.base
