@@ -1,19 +1,23 @@
-"""Every ordering point of the GPU path is needed: taken out, a test over the NCCL
-transport fails (item 4 of issue 53).
+"""Every ordering point of the GPU path is needed: taken out, a test fails (item 4 of
+issue 53).
 
-Each case takes one line out of burstmpi (``mutation.without``: a ``wait_event``, an
-event's ``record``, a ``transport.wait`` of the ring's channels, the all-to-all's, the
-decode's allgather's) and runs the calls that go through it on the asynchronous fake GPU
-(tests/gpu/fake_device.py, ``late``: queued transfers run only when something needs
-them) with the stream sanitizer. The case passes when every rank agrees that the run
-failed: a race the sanitizer found, or a value off float64 by flash-attn's rule. With the
-line in place, the same runs pass (test_host_transfers.py runs them under every policy).
+Each case of ``POINTS`` takes one line out of burstmpi (``mutation.without``: a
+``wait_event``, an event's ``record``, a ``transport.wait`` of the ring's channels, the
+all-to-all's, the decode's allgather's, a host synchronisation, the wait of a call on a new
+stream) and runs the calls that go through it on the asynchronous fake GPU
+(tests/gpu/fake_device.py, ``late``: queued transfers run only when something needs them)
+with the stream sanitizer, over NCCL, or over the MPI transports for the channels' own
+waits (on NCCL every request of a group shares one event, and a later event on the same
+stream covers the earlier ones). The case passes when every rank agrees that the run
+failed: a race the sanitizer found, or a value off float64 by flash-attn's rule; with
+nothing taken out every scenario passes (``test_every_scenario_passes_as_is``).
 
 Points no test can fail, because another always covers them, are in ``COVERED`` with what
-covers them; tests/gpu/test_stream_order.py's last test checks that the two lists name
-every ordering point in burstmpi/ (the lines that call ``wait_event``, ``record``,
-``.wait(`` of a transport or ``synchronize``). Needs 2+ ranks (one rank transfers nothing)
-and g++ for the emulated kernels.
+covers them (and, where the cover can go too, the proof that the two together fail);
+``test_every_ordering_point_is_listed`` checks that the two lists name every ordering
+point in burstmpi/ (the lines that call ``wait_event``, ``record``, ``.wait(`` of a
+transport, ``synchronize`` or an event's ``done``). The runs need 2+ ranks (one rank
+transfers nothing) and g++ for the emulated kernels; the scan runs once, at 1 rank.
 """
 
 import re
