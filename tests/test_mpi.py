@@ -87,13 +87,9 @@ def segments_left(since):
     maps its own, so it does not count."""
     import glob
 
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped |= {line.split(None, 5)[5].strip() for line in f if "/dev/shm/mpich_shm_" in line}
-        except (OSError, IndexError):
-            pass
+    from burstmpi._transport.segments import _mapped
+
+    mapped = {path for maps in glob.glob("/proc/[0-9]*/maps") for _, _, path in _mapped(maps)}
     left = []
     for path in glob.glob("/dev/shm/mpich_shm_*"):
         try:

@@ -773,26 +773,20 @@ def _host_mpi(monkeypatch):
 
     wait.__wrapped__ = real_wait
     monkeypatch.setattr(mpi.MPITransport, "wait", wait)
-    real_gather = mpi.MPITransport.allgather
+    # A blocking collective (on host copies, or device buffers under CUDA-aware MPI, which
+    # calls MPI itself): checked as of its return.
+    for cls in (mpi.MPITransport, mpi.DeviceMPITransport):
+        real_gather = cls.allgather
 
-    def allgather(self, send, recv):
-        done = real_gather(self, send, recv)  # blocking: checked as of its return
-        for buf, write in ((send, False), (recv, True)):
-            DEVICE.host_access(*_span(buf), write, f"MPI's allgather ({'output' if write else 'input'})")
-        return done
+        def allgather(self, send, recv, _real=real_gather):
+            done = _real(self, send, recv)
+            for buf, write in ((send, False), (recv, True)):
+                where = " of device memory" if isinstance(buf, DeviceArray) else ""
+                DEVICE.host_access(*_span(buf), write, f"MPI's allgather{where} ({'output' if write else 'input'})")
+            return done
 
-    allgather.__wrapped__ = real_gather
-    monkeypatch.setattr(mpi.MPITransport, "allgather", allgather)
-    real_device_gather = mpi.DeviceMPITransport.allgather
-
-    def device_allgather(self, send, recv):  # its own MPI call, on device buffers
-        done = real_device_gather(self, send, recv)
-        for buf, write in ((send, False), (recv, True)):
-            DEVICE.host_access(*_span(buf), write, f"MPI's allgather of device memory ({'output' if write else 'input'})")
-        return done
-
-    device_allgather.__wrapped__ = real_device_gather
-    monkeypatch.setattr(mpi.DeviceMPITransport, "allgather", device_allgather)
+        allgather.__wrapped__ = real_gather
+        monkeypatch.setattr(cls, "allgather", allgather)
 
 
 def install(monkeypatch, backend_class, policy="late", seed=0):

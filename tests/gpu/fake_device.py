@@ -276,14 +276,17 @@ class FakeDevice:
             self.sanitizer.access(stream, stream.clock, lo, hi, True, "memory freed to the pool (a later "
                                   "allocation may reuse it)", place)
 
+    def _allocation(self, ptr):
+        """(lo, hi) of the live allocation holding ``ptr``, or None."""
+        i = bisect.bisect_right(self.allocs, (ptr, float("inf"))) - 1
+        return self.allocs[i] if i >= 0 and self.allocs[i][0] <= ptr < self.allocs[i][1] else None
+
     def owner(self, ptr):
         """The array whose memory holds ``ptr`` (None if none of ours): queued work keeps
         it alive, as CuPy's pool does not reuse memory before the stream gets there."""
-        i = bisect.bisect_right(self.allocs, (ptr, float("inf"))) - 1
-        if i >= 0 and self.allocs[i][0] <= ptr < self.allocs[i][1]:
-            ref = self.owners.get(self.allocs[i][0])
-            return ref() if ref is not None else None
-        return None
+        span = self._allocation(ptr)
+        ref = self.owners.get(span[0]) if span else None
+        return ref() if ref is not None else None
 
     def span_of(self, ptr):
         """The bytes a kernel's pointer parameter stands for: those of the array whose
@@ -291,9 +294,9 @@ class FakeDevice:
         got = self.arrays.get(ptr)
         if got is not None:
             return got
-        i = bisect.bisect_right(self.allocs, (ptr, float("inf"))) - 1
-        if i >= 0 and self.allocs[i][0] <= ptr < self.allocs[i][1]:
-            return ptr, self.allocs[i][1]
+        span = self._allocation(ptr)
+        if span is not None:
+            return ptr, span[1]
         raise AssertionError(f"fake GPU: a kernel got pointer {ptr:#x}, which is no device memory the "
                              "fake CuPy handed out (a host pointer?)")
 

@@ -32,6 +32,7 @@ import kernel_harness as kh
 from burstmpi import reference as ref
 from conftest import COMM, NRANKS, RANK, REPORTS, check_close
 from mutation import without
+from test_stream_switch import plan_on_two_streams
 
 emulated = pytest.mark.skipif(not kh.available(), reason="no C++ compiler (g++) for the CUDA emulator")
 ranks = pytest.mark.skipif(NRANKS < 2, reason="one rank transfers nothing (run under mpiexec)")
@@ -81,30 +82,12 @@ def _decode(xp, transport="nccl", **opts):
     assert cache.runtime.transport.name == want
 
 
-def _two_streams(xp):
-    """One plan called on the null stream, then on another framework's stream whose inputs
-    are made there, the results read after both."""
-    q, k, v, do = ref.random_problem(1, 16 * NRANKS + 3, 4, 2, D, dtype=np.float32, seed=7)
-    plan = burstmpi.BurstAttention(layout="zigzag", causal=True)
-    other = xp.cuda.ExternalStream(0x7777, 0)
-    got = []
-    for stream in (xp.cuda.get_current_stream(), other):
-        with stream:
-            a = [xp.asarray(burstmpi.shard(x, layout="zigzag")) for x in (q, k, v, do)]
-            out, lse = plan.forward(*a[:3])
-            got.append(plan.backward(a[3], *a[:3], out, lse)[0])
-    exact, plain = ref.backward(do, q, k, v, causal=True)[0], ref.backward(do, q, k, v, causal=True, precision="plain")[0]
-    with other:
-        for g in got:
-            check_close("mutant dq", burstmpi.unshard(g.get(), layout="zigzag"), exact, plain, "float32", record=False)
-
-
 SCENARIOS = {
     "ring burst": lambda xp: _ring(xp, "burst"),
     "ring ring": lambda xp: _ring(xp, "ring"),
     "head parallel": lambda xp: _ring(xp, "burst", calls=1, Z=2 * NRANKS, Zkv=NRANKS, head_parallel=NRANKS),
     "decode": _decode,
-    "two streams": _two_streams,
+    "two streams": lambda xp: plan_on_two_streams(xp, record=False),
     "staged MPI ring": lambda xp: _ring(xp, "burst", transport="mpi"),
     "staged MPI decode": lambda xp: _decode(xp, "mpi"),
     "CUDA-aware MPI ring": lambda xp: _ring(xp, "burst", transport="mpi", cuda_aware_mpi=True),
