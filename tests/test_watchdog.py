@@ -142,8 +142,10 @@ GUARDED_AS_MPI4PY = """
     comm.Allreduce(MPI.IN_PLACE, buf)  # under the deadline's guard
     assert buf[0] == P * (P - 1) // 2
     group = comm.Get_group()
+    idup, request = comm.Idup()
+    request.Wait()  # before the next collective: Open MPI 5's Split waits for it otherwise (MPICH's does not)
     made = {"Dup": comm.Dup(), "Dup_with_info": comm.Dup_with_info(MPI.INFO_NULL), "Clone": comm.Clone(),
-            "Idup": comm.Idup()[0], "Split": comm.Split(rank % 2, rank),
+            "Idup": idup, "Split": comm.Split(rank % 2, rank),
             "Split_type": comm.Split_type(MPI.COMM_TYPE_SHARED), "Create": comm.Create(group),
             "Create_group": comm.Create_group(group)}
     for name, sub in made.items():
@@ -267,3 +269,24 @@ def test_mpich_node_segments_are_unlinked_once_mapped(tmp_path, monkeypatch):
     segments.unlink_node_segments(str(maps))
     assert not ours.exists() and theirs.exists()
     segments.unlink_node_segments(str(maps))  # again (another rank was first): nothing to do, no error
+
+
+@pytest.mark.parametrize("ending,attached", [(False, False), (False, True), (True, False)])
+def test_which_node_segments_go_when(tmp_path, monkeypatch, ending, attached):
+    """MPICH's names go as soon as every rank mapped them; Open MPI's (whose ranks attach
+    each other's at first contact) once every rank of the host has attached every other's
+    (or as the job ends), and burstmpi's own (another thread may be making one) only as
+    the job ends."""
+    from burstmpi._transport import segments
+
+    monkeypatch.setattr(segments, "SHM_DIR", str(tmp_path))
+    names = {"mpich": "mpich_shm_1a2b_0", "openmpi": "sm_segment.vm.0.2610000.0", "ours": "burstmpi_12_ab",
+             "other": "torch_123"}
+    maps = tmp_path / "maps"
+    maps.write_text("".join(f"7f{i}0-7f{i}1 rw-s 00000000 00:1a {i} {tmp_path / n}\n"
+                            for i, n in enumerate(names.values())))
+    for n in names.values():
+        (tmp_path / n).write_bytes(b"x")
+    segments.unlink_node_segments(str(maps), ending=ending, attached=attached)
+    gone = {k for k, n in names.items() if not (tmp_path / n).exists()}
+    assert gone == {"mpich"} | ({"openmpi", "ours"} if ending else set()) | ({"openmpi"} if attached else set())

@@ -6,19 +6,19 @@ copy is MPICH's single-copy path (``process_vm_readv``), done by the receiver in
 computed meanwhile (the copy streams the packet through the caches they work in). Yet
 every rank of a node can map every other's memory, so nothing needs to move.
 
-``ShmTransport`` puts the ring's buffers in an MPI-3 shared-memory window
-(``MPI_Win_allocate_shared``), and ``ShmChannel`` hands the rank holding a packet at step t
-views of the owner's own copy. What travels around the ring is a token, the packet's
+``ShmTransport`` puts the ring's buffers in memory every rank of the node maps
+(``node_memory``: a POSIX shared-memory file of burstmpi's own, not an MPI window), and
+``ShmChannel`` hands the rank holding a packet at step t views of the owner's own copy. What travels around the ring is a token, the packet's
 owner (8 bytes), posted and waited for exactly where the MPI ring sends and receives the
 packet: the schedule, the skipped steps and the order of every phase stay
 ``burstmpi._ring.flat``'s, and a rank reads a packet only after the token chain from its owner
 reached it.
 
-Memory ordering follows MPI's shared-memory pattern: the windows stay locked (``Lock_all``,
-``MODE_NOCHECK``) for their life; a writer calls ``Win_sync`` before its token leaves, a
-reader after its token arrived. An owner rewrites its packet in a later phase only: a
-phase ends with a nonblocking barrier (``finish``), and the next one starts by completing
-it (``begin``), so no rank is still reading when its owner writes again (the call's own
+Memory ordering comes from the tokens: a packet is read only after a token sent after it
+was written has arrived (``node_memory`` says why an MPI message orders the bytes around
+it, as ``Win_sync`` did when the memory was an MPI window). An owner rewrites its packet
+in a later phase only: a phase ends with a nonblocking barrier (``finish``), and the next
+one starts by completing it (``begin``), so no rank is still reading when its owner writes again (the call's own
 agreement collective, ``validate.agree``, has ordered every rank past the old phase by
 then, so the wait returns at once).
 
@@ -28,25 +28,27 @@ again it waits for the reader's acknowledgement that it has been added (a second
 going back). A partial going home is the exception: its owner adds it only after its own
 last step, so the sender copies it into the owner's home buffer and moves on.
 
-Every plan on one communicator shares its transport (``transport_for``) and so one window,
+Every plan on one communicator shares its transport (``transport_for``) and so one window
+(the node's shared memory),
 grown to the largest phase any of them ran: plans made per call (``burstmpi.attention``)
 neither allocate a window each nor leave one behind. The window belongs to the state of
 the caller's communicator (``lifetime``): it goes when the caller frees that communicator,
 or when a plan is released (``BurstAttention.release``, ``burstmpi.release_cached``),
-never when the plan cache evicts a plan. Freeing it is collective, so those calls are too
-(every rank makes them, as every rank makes the calls); the next phase of any plan
-allocates a new one.
+never when the plan cache evicts a plan. Freeing it is collective (it waits for the fence
+of the last phase), so those calls are too (every rank makes them, as every rank makes
+the calls); the next phase of any plan allocates a new one. The memory itself goes when
+the last rank of the node drops its views.
 """
 
 import os
 
 import numpy as np
-from mpi4py import MPI
 
 from .comm import (HOME_TAG_OFFSET, Channel, Counted, Packet, PartialChannel, check_rows, check_send_rows,
                    packed_fields, rows_bytes)
 from .mpi import MPITransport
 from .lifetime import count, resource
+from .node_memory import NotShared, map_node_memory
 from .segments import SHM_DIR
 from .watchdog import allgather
 
@@ -66,7 +68,8 @@ def free_shared_bytes():
 
 
 class NoRoom(RuntimeError):
-    """The node's shared memory cannot hold the window (raised alike on every rank)."""
+    """The node's shared memory cannot hold the window, or some rank cannot map it (raised
+    alike on every rank)."""
 
 
 def transport_for(comm):
@@ -94,7 +97,6 @@ class ShmTransport(MPITransport):
     def __init__(self, comm):
         super().__init__(comm)
         self.rank = comm.Get_rank()
-        self._win = None
         self._arenas = None  # every rank's part of the window, as bytes (peers' read-only)
         self._fence = None   # the Ibarrier that ended the last phase
         self._open = False   # a phase began and has not finished
@@ -129,19 +131,12 @@ class ShmTransport(MPITransport):
                          f"memory on this node ({P} ranks x {nbytes / 1e6:.1f} MB), but {SHM_DIR} has "
                          f"{room / 1e6:.1f} MB free; enlarge it (docker run --shm-size=...) or use "
                          "transport='mpi'")
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")  # each rank's part page-aligned, first touched by it
         try:
-            win = MPI.Win.Allocate_shared(nbytes, 1, info, comm=self.comm)
-        finally:
-            info.Free()
-        win.Lock_all(MPI.MODE_NOCHECK)
+            arenas = map_node_memory(self.comm, nbytes, self.timeout, "the ring buffers' shared memory")
+        except NotShared as e:
+            raise NoRoom(f"transport 'shm': {e}; use transport='mpi'") from None
         count("windows")
-        arenas = []
-        for r in range(self.comm.Get_size()):
-            buf, _ = win.Shared_query(r)
-            arenas.append(np.frombuffer(buf, dtype=np.uint8)[:nbytes])
-        self._win, self._arenas = win, arenas
+        self._arenas = arenas
         return arenas[self.rank]
 
     def peer(self, rank, view, write=False):
@@ -155,13 +150,6 @@ class ShmTransport(MPITransport):
             out.flags.writeable = False
         return out
 
-    def sync(self):
-        """``Win_sync``: this rank's writes are visible to the others before its next token
-        leaves, and theirs to it after a token arrived (and its reads done before a token
-        that lets another rank write)."""
-        if self._win is not None:
-            self._win.Sync()
-
     def begin(self):
         """A phase starts: every rank has finished reading the last phase's packets."""
         if self._fence is None and self._open:  # the last phase raised before finish(): fence now
@@ -172,7 +160,6 @@ class ShmTransport(MPITransport):
     def finish(self):
         """A phase ends (``Runtime.finish``): its fence starts, the next ``begin`` completes it."""
         if self._open:
-            self.sync()
             self._fence = self.comm.Ibarrier()
             self._open = False
 
@@ -181,24 +168,21 @@ class ShmTransport(MPITransport):
         if self._fence is not None:
             self.complete([self._fence], "the fence that ends a phase (a barrier of every rank of the node)")
             self._fence = None
-            self.sync()
 
     def free(self):
-        """Free the window (collective); a phase that began stays begun (a window grown
-        inside ``Runtime.channels`` serves the phase being set up)."""
-        if self._win is not None:
+        """Drop the window once the last phase's fence is complete (collective); a phase
+        that began stays begun (a window grown inside ``Runtime.channels`` serves the phase
+        being set up). The memory goes when the node's last rank drops its views."""
+        if self._arenas is not None:
             self._settle()
             self._arenas = None
-            self._win.Unlock_all()
-            self._win.Free()
-            self._win = None
             count("windows", -1)
 
     def forget(self):
-        """Drop the window without freeing it (at exit: ``MPI_Finalize`` or the process's
-        end frees it; a free is collective, and ranks exit at different times)."""
-        if self._win is not None:
-            self._arenas = self._win = self._fence = None
+        """Drop the window without waiting for the other ranks (at exit: ranks exit at
+        different times)."""
+        if self._arenas is not None:
+            self._arenas = self._fence = None
             count("windows", -1)
 
 
@@ -254,10 +238,9 @@ class ShmChannel(Channel):
         self._held = n
         return self.current
 
-    def _outgoing(self, n, ahead=False):  # the packet's bytes are visible before its token leaves
+    def _outgoing(self, n, ahead=False):  # the token leaves after the packet's bytes were written
         held = self._next if ahead else self._held
         check_send_rows(self, n, held)
-        self.transport.sync()
         self._tokens[0] = self._tokens[1] if ahead else self._owner
         return self._tokens[0:1], self._packet.nbytes(held if n is None else n)
 
@@ -265,8 +248,7 @@ class ShmChannel(Channel):
         self._next = self.rows if n is None else n
         return self._tokens[1:2], self._packet.nbytes(self._next)
 
-    def _arrived(self):  # and read only after the token came
-        self.transport.sync()
+    def _arrived(self):  # and is read only after the token came
         self._owner, self._held = int(self._tokens[1]), self._next
 
 
@@ -316,7 +298,6 @@ class ShmPartialChannel(Counted):
         """Tell the senders of the partials read that they have been added (their reads
         are done before the tokens leave)."""
         if self._unacked:
-            self.transport.sync()
             for src, i in self._unacked:
                 self._sends.append(self.transport.isend(self._ids[i:i + 1], src, self.tag + ACK_TAG_OFFSET + i))
             self._unacked = []
@@ -340,7 +321,6 @@ class ShmPartialChannel(Counted):
             raise RuntimeError("ShmPartialChannel.received: no receive was posted")
         req, src, rows = self._recvs.pop(home)
         self.transport.wait([req], [("receive a partial's token from", src)])
-        self.transport.sync()
         if home:  # written here by its sender (``post_send``)
             return _first(self._home[1], rows, self.rows)
         key = (src, int(self._got[0]))
@@ -363,8 +343,7 @@ class ShmPartialChannel(Counted):
         i = self._next
         if self._acks[i] is not None:
             self.transport.wait([self._acks[i]], [("receive an acknowledgement from", self._readers[i])])
-            self._acks[i] = None
-            self.transport.sync()  # the reader's reads before our writes
+            self._acks[i] = None  # the reader's reads are done: we may write
         self._send_rows = self.rows if rows is None else rows
         views = _first(self._send[i][1], self._send_rows, self.rows)
         for v in views.values():
@@ -382,7 +361,6 @@ class ShmPartialChannel(Counted):
             views = _first(packed_fields(self._fields, lambda n: theirs[:n])[1], self._send_rows, self.rows)
             for name, view in _first(self._send[i][1], self._send_rows, self.rows).items():
                 views[name][...] = view
-        self.transport.sync()
         self._sends.append(self.transport.isend(self._ids[i:i + 1], dest, self.tag + (HOME_TAG_OFFSET if home else 0)))
         if not home:
             self._acks[i] = self.transport.irecv(self._acked[i:i + 1], dest, self.tag + ACK_TAG_OFFSET + i)

@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import mpis
 from .faults import LOSS_TABLE
 from .hosts import NIC, Host
 from .shell import ClusterError, missing_tools, run
@@ -168,7 +169,7 @@ class Cluster:
         sysctls = {"net.ipv4.tcp_retries2": tcp_retries2(self.tcp_give_up)} if self.tcp_give_up else {}
         for h in self.hosts:
             h.create(self.bridge, etc_hosts, self.rate, sysctls)
-        self.hostfile.write_text("".join(f"{h.address}\n" for h in self.hosts))
+        self.hostfile.write_text(mpis.hostfile_lines([h.address for h in self.hosts], self.ppn))
         state = {"bridge_address": self.bridge_address, "python": sys.executable,
                  "remote": str(HERE / "remote.py"), "rate": self.rate, "ppn": self.ppn,
                  "tcp_give_up": self.tcp_give_up,
@@ -200,26 +201,30 @@ class Cluster:
 
     def env(self, **extra):
         """The launch environment: this one, without ``BURSTMPI_RANKS_PER_NODE``, plus
-        ``RANK_ENV``, the NIC for UCX and libfabric, and ``extra``."""
+        ``RANK_ENV``, the NIC for UCX and libfabric, what the MPI's launcher needs
+        (``mpis.launcher_env``), and ``extra``."""
         env = {k: v for k, v in os.environ.items() if k != "BURSTMPI_RANKS_PER_NODE"}
-        env.update(RANK_ENV, UCX_NET_DEVICES=NIC, FI_TCP_IFACE=NIC, FI_SOCKETS_IFACE=NIC)
+        env.update(RANK_ENV, UCX_NET_DEVICES=NIC, FI_TCP_IFACE=NIC, FI_SOCKETS_IFACE=NIC, **mpis.launcher_env())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT / "tests"), env.get("PYTHONPATH")) if p)
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
+    @property
+    def subnet(self):
+        return f"{SUBNET}.{32 * self.slot}/{SLOT_BITS}"
+
     def mpiexec_argv(self, argv, n=None, ppn=None, hosts=None):
         """``mpiexec`` across the hosts (``hosts``: a subset, by name; default all),
-        ``ppn`` ranks each, ``n`` in all (default every slot), running ``argv``."""
+        ``ppn`` ranks each, ``n`` in all (default every slot), running ``argv``: the
+        launch line of this environment's MPI (``mpis``)."""
         ppn = ppn or self.ppn
         chosen = [self.host(h) for h in hosts] if hosts else self.hosts
         hostfile = self.hostfile
-        if hosts:
-            hostfile = self.state / f"hostfile-{'-'.join(h.name for h in chosen)}"
-            hostfile.write_text("".join(f"{h.address}\n" for h in chosen))
+        if hosts or ppn != self.ppn:
+            hostfile = self.state / f"hostfile-{'-'.join(h.name for h in chosen)}-{ppn}"
+            hostfile.write_text(mpis.hostfile_lines([h.address for h in chosen], ppn))
         n = n or ppn * len(chosen)
-        mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-        return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(self.ssh), "-iface", self.bridge,
-                "-f", str(hostfile), "-ppn", str(ppn), "-n", str(n), *argv]
+        return [*mpis.launch_argv(self.ssh, hostfile, ppn, n, self.subnet, self.bridge), *argv]
 
     def start(self, argv, env=None, **where):
         """Start ``mpiexec`` across the hosts in the background: a ``Job``."""

@@ -28,7 +28,7 @@ import pytest
 
 from conftest import REPORTS
 
-from . import faults
+from . import faults, mpis
 
 TIMEOUT = 20   # the watchdog's deadline, seconds
 GRACE = 30     # the job must be over this long after the deadline
@@ -151,6 +151,17 @@ def test_fault_link_pulled_and_left_down(hosts):
     (``Cluster.tcp_give_up``)."""
     host = hosts.host(FAULTED)
     record = run_with_fault(hosts, "link pulled and left down", BENCH, lambda: faults.pull_link(hosts, host))
+    if mpis.flavor() == "openmpi":
+        # Open MPI 5.0.11: every rank ends after the watchdog's line, but prterun keeps
+        # waiting for the cut-off host's daemon (its kill order to it unacknowledged) until
+        # the launching host's TCP gives up (net.ipv4.tcp_retries2: 924 s by default), and
+        # the daemons wait with it. Measured here, documented in docs/guide/clusters.md.
+        assert record["rc"] is None, f"prterun ended after all:\n{record['report']}"
+        ranks = {h: [c for c in cmds.values() if "burstmpi-bench" in c] for h, cmds in record["left"].items()}
+        assert not any(ranks.values()), f"ranks still running: {ranks}"
+        assert not record["shm"], f"files left in /dev/shm: {record['shm']}"
+        assert any(any(n in line for n in names_of(hosts, host)) for line in record["watchdog"]), record["report"]
+        return
     check_ended(record, names_of(hosts, host))
     assert record["rc"] == 75, record["report"]  # the watchdog's exit code, relayed by mpiexec
 

@@ -165,3 +165,65 @@ def test_no_room_in_shared_memory(monkeypatch):
             strict.forward(q, k, v)
     finally:
         comm.Free()
+
+
+@needs_ranks(2)
+def test_ranks_whose_shared_memory_is_not_shared(monkeypatch, tmp_path):
+    """Ranks MPI puts on one node whose /dev/shm differ (a container each): the node's
+    memory cannot be mapped; "auto" copies through MPI, with the same bits; "shm" raises on
+    every rank, naming the ranks and the file."""
+    import burstmpi._transport.node_memory as node_memory
+    import burstmpi._transport.shm as shm
+
+    real = node_memory._map
+
+    def private(path, size, create):  # rank 0's file is not in the others' directory
+        if not create and COMM.Get_rank() != 0:
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real(path, size, create)
+
+    monkeypatch.setattr(node_memory, "_map", private)
+    monkeypatch.setattr(node_memory, "SHM_DIR", str(tmp_path))
+    comm = COMM.Dup()
+    try:
+        N = 9 * NRANKS + 2
+        q, k, v = (burstmpi.shard(x, layout="zigzag")
+                   for x in ref.random_problem(1, N, 2, 2, 8, dtype=np.float32, seed=4)[:3])
+        plan = burstmpi.BurstAttention(comm, causal=True, layout="zigzag")
+        got = plan.forward(q, k, v)
+        assert plan.last_stats.transport == "mpi"
+        want = burstmpi.BurstAttention(comm, causal=True, layout="zigzag", transport="mpi").forward(q, k, v)
+        for a, b in zip(got, want):
+            assert np.array_equal(a, b)
+        strict = burstmpi.BurstAttention(comm, causal=True, layout="zigzag", transport="shm")
+        with pytest.raises(shm.NoRoom, match=r"transport 'shm': rank\(s\) 1 \(.*No such file.*\).* could not open "
+                                             r".*/burstmpi_.*their .* is not rank 0's"):
+            strict.forward(q, k, v)
+        assert not list(tmp_path.glob("burstmpi_*")), "a node memory file was left behind"
+    finally:
+        comm.Free()
+
+
+@needs_ranks(2)
+def test_the_node_memory_has_no_name_once_mapped():
+    """The ring buffers' memory is a file every rank of the node maps, unlinked once they
+    all have: nothing is left in /dev/shm whatever ends the job, and each rank's part
+    starts on a page of its own."""
+    import glob
+    import mmap
+    import os
+
+    from burstmpi._transport.node_memory import map_node_memory
+    from burstmpi._transport.segments import OWN_PREFIX, SHM_DIR, mapped_bytes
+
+    before = mapped_bytes()
+    arenas = map_node_memory(COMM, 100, 30.0)
+    assert [a.nbytes for a in arenas] == [100] * NRANKS
+    assert all(a.ctypes.data % mmap.PAGESIZE == 0 for a in arenas)
+    assert mapped_bytes() - before >= NRANKS * mmap.PAGESIZE
+    mine = [p for p in glob.glob(f"{SHM_DIR}/{OWN_PREFIX}{os.getpid()}_*")]
+    assert not mine, mine
+    arenas[COMM.Get_rank()][:] = COMM.Get_rank() + 1
+    COMM.Barrier()  # an MPI message after the writes, before the reads
+    assert [int(a[0]) for a in arenas] == list(range(1, NRANKS + 1))
+    COMM.Barrier()
