@@ -26,7 +26,9 @@ from ._interop import cupyx_pinned, is_host, to_device, to_host
 from ._ring import flat as ring
 from ._transport import watchdog
 from ._transport.lifetime import state_of
+from ._transport import mpi_library
 from ._transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
+from ._transport.mpi_library import refuse_cuda_unaware
 from ._transport.nodes import nodes
 from ._transport.node_memory import drop_segment_names
 from ._transport.shm import NoRoom, transport_for
@@ -247,15 +249,18 @@ class Runtime:
         """NCCL when asked for, or when available and no two ranks share a GPU; else MPI."""
         from ._transport import nccl
 
+        cuda_mpi = mpi_library.cuda_support() if self.settings.cuda_aware_mpi else None
         everyone = watchdog.allgather(self.comm, (MPI.Get_processor_name(), cupy.cuda.Device(dev).pci_bus_id,
-                                                  nccl.available()), self.timeout, f"{fn}: which GPU each rank has")
-        shared = len({(host, bus) for host, bus, _ in everyone}) < self.nranks
-        ok = all(has_nccl for _, _, has_nccl in everyone)
+                                                  nccl.available(), cuda_mpi), self.timeout,
+                                      f"{fn}: which GPU each rank has")
+        shared = len({(host, bus) for host, bus, _, _ in everyone}) < self.nranks
+        ok = all(has_nccl for _, _, has_nccl, _ in everyone)
         if nccl.choose_transport(fn, self.transport_name, ok, shared) == "nccl":
             return nccl.NCCLTransport(self.comm, dev, timeout_s=self.timeout)
         # Every wait and copy below is counted (``burstmpi._transfers``): per ring step, by design.
         stream = cupy.cuda.get_current_stream
         if self.settings.cuda_aware_mpi:
+            refuse_cuda_unaware(fn, [r for r, (*_, cuda) in enumerate(everyone) if cuda is False])
             return DeviceMPITransport(self.comm, lambda: transfers.synchronize(stream()))
 
         def to_host(buf, out):

@@ -25,7 +25,9 @@
 # PERFORMANCE REGRESSION; 4 a row REFUSED for memory; 75 A RANK OR LINK STOPPED ANSWERING
 # (burstmpi's watchdog ended the job; BURSTMPI_TIMEOUT); 130/143 INTERRUPTED by SIGINT/
 # SIGTERM (Ctrl-C, a scheduler's time limit): the rows measured before it are in the JSON
-# and JUnit files. Ctrl-C once: the job then writes its rows and ends within seconds.
+# and JUnit files; 70 INCOMPLETE: the launcher said 0 but the bench never printed its
+# footer (Open MPI 5's prterun can return 0 when it loses a node's daemon). Ctrl-C once:
+# the job then writes its rows and ends within seconds.
 #
 # Variables: RANKS ($SLURM_NTASKS in a Slurm job, else 4), LAUNCH ("mpiexec -n $RANKS"),
 # OUT, TOLERANCE (0.10), SWEEP (the bench's flags), PYTHON (python: the interpreter
@@ -92,6 +94,31 @@ exec 3>&-
 wait "$tee_pid" 2>/dev/null
 trap - INT TERM
 
+# The bench writes the rows done to its JSON file before it ends an interrupted job, and
+# names the signal there: that holds where the launcher kills the ranks before their last
+# lines and their exit code reach it (Open MPI 5's mpirun: 0.2 s after it passed the
+# signal on, then exit 1).
+read -r interrupted done_rows < <("$PYTHON" -c '
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    print(d.get("interrupted") or "-", len(d["rows"]))
+except Exception:
+    print("- -")' "$OUT/run-$stamp.json" 2>/dev/null)
+interrupted=${interrupted:--}
+# The signal this script passed on names it (Open MPI's mpirun turns a SIGINT into SIGTERM
+# for the ranks), else the one the bench got (Slurm signals every process at a time limit).
+if [ "$interrupted" != "-" ] || { [ -n "$caught" ] && [ "$status" -ne 0 ]; }; then
+    case ${caught:-${interrupted#SIG}} in
+        INT) status=130 ;;
+        TERM) status=143 ;;
+    esac
+fi
+# A launcher that ended the job itself (a lost node) may still return 0: the bench's
+# footer is the proof that it ran to its end.
+if [ "$status" -eq 0 ] && ! grep -q "^# Out of bounds values" "$txt"; then
+    status=70
+fi
 if [ ! -f "$baseline" ] && [ "$status" -eq 0 ]; then
     cp "$OUT/run-$stamp.json" "$baseline"
     echo "# recorded $baseline"
@@ -101,11 +128,14 @@ case $status in
     1) echo "# nightly: WRONG VALUES (exit 1)" ;;
     3) echo "# nightly: PERFORMANCE REGRESSION (exit 3)" ;;
     4) echo "# nightly: A ROW DID NOT FIT IN MEMORY, REFUSED (exit 4; see # REFUSED)" ;;
+    70) echo "# nightly: INCOMPLETE (exit 70): the launcher returned 0 but the bench did not finish; see the" \
+             "launcher's last lines (a lost node?)" ;;
     75) echo "# nightly: A RANK OR LINK STOPPED ANSWERING (watchdog, exit 75; see the 'burstmpi watchdog:' line)" ;;
     130|143)
         sig=$([ "$status" -eq 130 ] && echo SIGINT || echo SIGTERM)
-        # The bench's own footer: "# INTERRUPTED by SIGTERM after N rows (of M; K not run): ..."
+        # The bench's JSON (or its footer: "# INTERRUPTED by SIGTERM after N rows (of M; ...")
         rows=$(sed -n 's/^# INTERRUPTED by [A-Z]* after \([0-9]*\) rows\{0,1\} .*/\1/p' "$txt" | tail -n 1)
+        [ "$interrupted" != "-" ] && rows=$done_rows
         wrong=$(grep "^# Out of bounds values" "$txt" | tail -n 1)
         if [ -n "$rows" ]; then
             echo "# nightly: INTERRUPTED by $sig (exit $status) after $rows rows, written to run-$stamp.json and" \

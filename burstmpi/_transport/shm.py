@@ -8,19 +8,19 @@ every rank of a node can map every other's memory, so nothing needs to move.
 
 ``ShmTransport`` puts the ring's buffers in memory every rank of the node maps
 (``node_memory``: a POSIX shared-memory file of burstmpi's own, not an MPI window), and
-``ShmChannel`` hands the rank holding a packet at step t views of the owner's own copy. What travels around the ring is a token, the packet's
-owner (8 bytes), posted and waited for exactly where the MPI ring sends and receives the
-packet: the schedule, the skipped steps and the order of every phase stay
-``burstmpi._ring.flat``'s, and a rank reads a packet only after the token chain from its owner
-reached it.
+``ShmChannel`` hands the rank holding a packet at step t views of the owner's own copy.
+What travels around the ring is a token, the packet's owner (8 bytes), posted and waited
+for exactly where the MPI ring sends and receives the packet: the schedule, the skipped
+steps and the order of every phase stay ``burstmpi._ring.flat``'s, and a rank reads a
+packet only after the token chain from its owner reached it.
 
 Memory ordering comes from the tokens: a packet is read only after a token sent after it
 was written has arrived (``node_memory`` says why an MPI message orders the bytes around
 it, as ``Win_sync`` did when the memory was an MPI window). An owner rewrites its packet
 in a later phase only: a phase ends with a nonblocking barrier (``finish``), and the next
-one starts by completing it (``begin``), so no rank is still reading when its owner writes again (the call's own
-agreement collective, ``validate.agree``, has ordered every rank past the old phase by
-then, so the wait returns at once).
+one starts by completing it (``begin``), so no rank is still reading when its owner
+writes again (the call's own agreement collective, ``validate.agree``, has ordered every
+rank past the old phase by then, so the wait returns at once).
 
 A gradient partial (``ShmPartialChannel``) is read in place too, by the one rank it goes
 to, which adds it to its own; the sender alternates two buffers, so before it writes one
@@ -29,9 +29,8 @@ going back). A partial going home is the exception: its owner adds it only after
 last step, so the sender copies it into the owner's home buffer and moves on.
 
 Every plan on one communicator shares its transport (``transport_for``) and so one window
-(the node's shared memory),
-grown to the largest phase any of them ran: plans made per call (``burstmpi.attention``)
-neither allocate a window each nor leave one behind. The window belongs to the state of
+(the node's shared memory), grown to the largest phase any of them ran: plans made per
+call (``burstmpi.attention``) neither allocate a window each nor leave one behind. The window belongs to the state of
 the caller's communicator (``lifetime``): it goes when the caller frees that communicator,
 or when a plan is released (``BurstAttention.release``, ``burstmpi.release_cached``),
 never when the plan cache evicts a plan. Freeing it is collective (it waits for the fence

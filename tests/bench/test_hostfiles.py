@@ -78,6 +78,7 @@ def test_nightly_reports_an_interrupted_run_as_interrupted(tmp_path, sig, to_gro
     may reach the script alone. Either way the job gets the signal once, writes the rows
     done and ends, and the script says INTERRUPTED with the signal's status (it said
     `WRONG VALUES (exit 1)` before, with neither file written)."""
+    from cluster.mpis import flavor
     from test_interrupt import _signal_after_first_row
 
     env = _nightly_env(tmp_path, SWEEP="-b 256 -e 16K -f 2 -H 2 -D 32 -m causal -n 2 -w 1")
@@ -85,13 +86,16 @@ def test_nightly_reports_an_interrupted_run_as_interrupted(tmp_path, sig, to_gro
                                            tmp_path / "log.txt", to_group=to_group, env=env)
     name = signal.Signals(sig).name
     assert rc == 128 + sig, out + err
+    out = out.replace("\0", "")  # Open MPI's prterun ends its messages with a NUL byte
     last = out.splitlines()[-1]
     rows = [l for l in out.splitlines() if re.match(r"^ +\d", l)]
-    assert last.startswith(f"# nightly: INTERRUPTED by {name} (exit {128 + sig}) after {len(rows)} rows, written to "
-                           "run-"), out + err
-    assert "WRONG VALUES" not in out and "passed to the job once" in err
     (js,), (junit,) = (tmp_path / "out").glob("run-*.json"), (tmp_path / "out").glob("junit-*.xml")
-    assert len(json.loads(js.read_text())["rows"]) == len(rows) >= 1
+    done = len(json.loads(js.read_text())["rows"])
+    # Under Open MPI the last rows printed may not reach mpirun before it kills the ranks.
+    assert done == len(rows) or (flavor() == "openmpi" and done > len(rows)), (done, out)
+    assert done >= 1 and last.startswith(f"# nightly: INTERRUPTED by {name} (exit {128 + sig}) after {done} rows, "
+                                         "written to run-"), out + err
+    assert "WRONG VALUES" not in out and "passed to the job once" in err
     assert "<skipped" in junit.read_text() and not (tmp_path / "out" / "baseline.json").exists()
 
 
@@ -99,16 +103,18 @@ def test_nightly_reports_an_interrupted_run_as_interrupted(tmp_path, sig, to_gro
 @pytest.mark.parametrize("status, verdict", [(75, "# nightly: A RANK OR LINK STOPPED ANSWERING (watchdog, exit 75"),
                                              (1, "# nightly: WRONG VALUES (exit 1)"),
                                              (143, "# nightly: INTERRUPTED by SIGTERM (exit 143); the job did not "
-                                                   "report its rows")])
+                                                   "report its rows"),
+                                             (0, "# nightly: INCOMPLETE (exit 70)")])
 def test_nightly_names_each_exit_status(tmp_path, status, verdict):
     """A launcher that ends with the watchdog's 75 is reported as a rank or link that stopped
-    answering, never as wrong values."""
+    answering, never as wrong values; one that returns 0 without the bench's footer (Open
+    MPI's prterun after losing a node) as incomplete, with 70."""
     fake = tmp_path / "launcher"
     fake.write_text(f"#!/bin/bash\necho 'burstmpi watchdog: rank 1 (node-b) ...' >&2\nexit {status}\n")
     fake.chmod(0o755)
     res = subprocess.run(["bash", str(HOSTS / "nightly-regression.sh")], env=_nightly_env(tmp_path, LAUNCH=str(fake)),
                          capture_output=True, text=True, timeout=50)
-    assert res.returncode == status and res.stdout.splitlines()[-1].startswith(verdict), res.stdout + res.stderr
+    assert res.returncode == (status or 70) and res.stdout.splitlines()[-1].startswith(verdict), res.stdout + res.stderr
 
 
 @pytest.mark.timeout(200)

@@ -26,6 +26,7 @@ from burstmpi.bench import main
 from burstmpi.bench import interrupt, results
 from burstmpi._transport.watchdog import PREFIX
 
+from cluster.mpis import flavor
 from conftest import NRANKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +93,8 @@ def test_signal_below_thread_multiple_ends_the_job_from_the_main_thread(tmp_path
     the abort to the main thread, which takes them at its next poll, so the rows done are
     written and mpiexec returns 128 + signal as at the default level."""
     out, err = _interrupted_run(tmp_path, sig, level)
-    assert f"; MPI at MPI_THREAD_{level.upper()}: " in out, out
+    if flavor() != "openmpi":  # where the footer's lines reach the launcher (``_interrupted_run``)
+        assert f"; MPI at MPI_THREAD_{level.upper()}: " in out, out
     assert "ending without writing the rows" not in err, err
 
 
@@ -106,26 +108,37 @@ def _interrupted_run(tmp_path, sig, level=None):
     env = dict(_env(), **({"MPI4PY_RC_THREAD_LEVEL": level} if level else {}))
     rc, out, err = _signal_after_first_row(cmd, sig, tmp_path / "out.txt", env=env)
     name = signal.Signals(sig).name
-    assert rc == 128 + sig, f"exit {rc}, expected {128 + sig}:\n{out}\n{err}"
     lines = out.splitlines()
     rows = [l for l in lines if ROW.match(l)]
-    footer = [l for l in lines if l.startswith("# INTERRUPTED")]
-    assert footer and footer == [lines[-1]], out
-    assert re.fullmatch(rf"# INTERRUPTED by {name} after {len(rows)} rows? \(of 7; {7 - len(rows)} not run\): "
-                        rf"the rows measured are in {re.escape(str(js))} and {re.escape(str(junit))}", footer[0])
-    assert 1 <= len(rows) < 7 and "# Out of bounds values : 0 OK" in lines
+    if flavor() == "openmpi":
+        # Open MPI 5.0.11's mpirun passes the signal on and kills the ranks 0.2 s later
+        # (measured): the files are written by then, the footer's lines and MPI_Abort's code
+        # do not reach it, and it exits 1. hostfiles/nightly-regression.sh reads the JSON.
+        assert rc == 1, f"exit {rc}, expected Open MPI's 1:\n{out}\n{err}"
+    else:
+        assert rc == 128 + sig, f"exit {rc}, expected {128 + sig}:\n{out}\n{err}"
+        footer = [l for l in lines if l.startswith("# INTERRUPTED")]
+        assert footer and footer == [lines[-1]], out
+        assert re.fullmatch(rf"# INTERRUPTED by {name} after {len(rows)} rows? \(of 7; {7 - len(rows)} not run\): "
+                            rf"the rows measured are in {re.escape(str(js))} and {re.escape(str(junit))}", footer[0])
+        assert "# Out of bounds values : 0 OK" in lines
+    assert 1 <= len(rows) < 7
     # hydra's own notice of a Ctrl-C ("[mpiexec@host] Sending Ctrl-C to processes") aside
     ours = [l for l in lines if l and not l.startswith("[mpiexec@")]
     assert all(l.startswith("#") or ROW.match(l) for l in ours), "a line that is neither data nor #"
     data = json.loads(js.read_text())
-    assert data["interrupted"] == name and len(data["rows"]) == len(rows) and len(data["not_run"]) == 7 - len(rows)
-    assert [r["seqlen"] for r in data["rows"]] == [256 << i for i in range(len(rows))]
+    # Under Open MPI the last rows printed may not reach mpirun before the kill.
+    done = len(data["rows"])
+    assert done == len(rows) or (flavor() == "openmpi" and len(rows) <= done < 7), (done, out)
+    # Open MPI's mpirun ends the job with SIGTERM to the ranks, whichever signal it got.
+    assert data["interrupted"] == ("SIGTERM" if flavor() == "openmpi" else name) and len(data["not_run"]) == 7 - done
+    assert [r["seqlen"] for r in data["rows"]] == [256 << i for i in range(done)]
     assert all(r["wrong"] == 0 for r in data["rows"])
     suite = ET.parse(junit).getroot()
     cases = suite.findall("testcase")
-    assert len(cases) == 7 and suite.get("failures") == "0" and suite.get("skipped") == str(7 - len(rows))
-    assert sum(c.find("skipped") is None for c in cases) == len(rows)
-    assert all(name in c.find("skipped").get("message") for c in cases[len(rows):])
+    assert len(cases) == 7 and suite.get("failures") == "0" and suite.get("skipped") == str(7 - done)
+    assert sum(c.find("skipped") is None for c in cases) == done
+    assert all(data["interrupted"] in c.find("skipped").get("message") for c in cases[done:])
     return out, err
 
 

@@ -9,8 +9,10 @@ A host is what MPI must see as a separate machine. So each gets
   process started on the host later (``enter``) joins the same ones: the ranks of one host
   must share memory with each other, and never with another host's;
 - in its mount namespace, a private tmpfs on ``/dev/shm`` (where MPI's shared-memory
-  windows live), a fresh ``/sys`` (so it sees its own NIC only) and an ``/etc/hosts``
-  naming every host. The rest of the file system (the checkout, the venv) is shared.
+  windows live) and on ``LOCAL_TMP`` (the host's own temporary directory: Slurm's
+  ``TmpFS``, where its PMIx plugin makes each step's directories, named alike on every
+  node), a fresh ``/sys`` (so it sees its own NIC only) and an ``/etc/hosts`` naming every
+  host. The rest of the file system (the checkout, the venv, ``/tmp``) is shared.
 
 The NIC inside is called ``eth0`` on every host, so one ``UCX_NET_DEVICES=eth0`` serves
 the whole job. The link is shaped on both ends with ``tc``'s token bucket (``tbf``), so
@@ -28,6 +30,8 @@ from .shell import ClusterError, run
 __all__ = ["Host", "NIC"]
 
 NIC = "eth0"  # the host's end of its link, the same name in every host
+# A directory each host mounts a tmpfs of its own on (an empty mount point elsewhere).
+LOCAL_TMP = Path("/run/burstmpi-cluster/local-tmp")
 # tbf's burst and queue as the harness's brief measured them: 1 Gbit/s moved 0.96 Gbit/s.
 BURST, LATENCY = "125kb", "50ms"
 
@@ -119,7 +123,9 @@ class Host:
         self.dir.mkdir(parents=True, exist_ok=True)
         for ns in ("uts", "ipc", "mnt"):
             (self.dir / ns).touch()
+        LOCAL_TMP.mkdir(parents=True, exist_ok=True)  # the mount point, in the root namespace
         setup = (f"hostname {self.name} && mount -t tmpfs -o mode=1777,size=4g shm /dev/shm && "
+                 f"mount -t tmpfs -o mode=1777,size=256m tmp {LOCAL_TMP} && "
                  f"mount -t sysfs sysfs /sys && mount --bind {hosts_file} /etc/hosts")
         run(["nsenter", f"--net=/run/netns/{self.netns}", "unshare", f"--uts={self.dir / 'uts'}",
              f"--ipc={self.dir / 'ipc'}", f"--mount={self.dir / 'mnt'}", "--propagation", "private",

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import mpis
+from .hosts import LOCAL_TMP
 from .shell import ClusterError, run
 
 __all__ = ["Slurm", "missing_slurm", "DAEMONS", "CLIENTS"]
@@ -96,6 +98,10 @@ class Slurm:
         ``mpiexec``, as a site's module system would put them there)."""
         env = self.cluster.env(SLURM_CONF=self.conf, **extra)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        # Inside an allocation Slurm gives Open MPI its slots; oversubscribing there maps
+        # every rank to the first node (measured with Open MPI 5.0.11).
+        for name in mpis.OVERSUBSCRIBE:
+            env.pop(name, None)
         return env
 
     def write_conf(self):
@@ -122,6 +128,9 @@ AuthInfo=socket={self.socket}
 CredType=cred/munge
 StateSaveLocation={d}/ctld
 SlurmdSpoolDir={d}/spool-%n
+# Each host's own temporary directory (the shared /tmp would collide: srun --mpi=pmix makes
+# /tmp/spmix_appdir_<uid>_<job>.<step> on every node).
+TmpFS={LOCAL_TMP}
 SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log

@@ -95,6 +95,7 @@ def run_with_fault(cluster, name, argv, inject, ready="#  seqlen", settle=8.0, e
               "hydra": [line.strip() for line in (job.out + job.err).splitlines()
                         if line.startswith("[mpiexec@") or "BAD TERMINATION" in line or "RUNNING AT" in line],
               "ssh": [line for line in job.err.splitlines() if line.startswith("launcher: ")],
+              "footer": "# Out of bounds values" in job.out,  # the bench ran to its end
               "report": job.report(3000)}
     REPORTS.append((f"cluster fault: {name}", describe(record)))
     if os.environ.get("BURSTMPI_CLUSTER_RECORDS"):  # a folder: each record as JSON, with the whole output
@@ -127,7 +128,13 @@ def check_ended(record, names, launcher_may_name=False):
     launcher's (hydra's, or the ssh stand-in's, which says which host's connection closed)."""
     where = record["report"]
     assert record["rc"] is not None, f"mpiexec still running {TIMEOUT + GRACE} s after the fault:\n{where}"
-    assert record["rc"] != 0, where
+    if mpis.flavor() == "openmpi":
+        # Open MPI 5.0.11's prterun returns what its race with the fault gives: measured 75,
+        # 14, 255 and 0. A 0 comes without the bench's footer, which
+        # hostfiles/nightly-regression.sh reads as INCOMPLETE (exit 70).
+        assert record["rc"] != 0 or not record["footer"], where
+    else:
+        assert record["rc"] != 0, where
     assert record["job_end_s"] <= TIMEOUT + GRACE, where
     assert not record["left"], f"left running {TIMEOUT + GRACE} s after the fault: {record['left']}"
     # Nothing at all: burstmpi unlinks even MPICH's node segment once every rank maps it
@@ -173,7 +180,7 @@ def test_fault_thirty_percent_loss_on_one_link(hosts):
     host = hosts.host(FAULTED)
     record = run_with_fault(hosts, "30 % loss on one link", BENCH, lambda: faults.lossy_link(hosts, host, 30))
     check_ended(record, names_of(hosts, host))
-    assert record["rc"] == 75, record["report"]
+    assert record["rc"] == 75 or mpis.flavor() == "openmpi", record["report"]  # check_ended says why
 
 
 def test_fault_every_process_of_one_host_killed(hosts):

@@ -797,7 +797,7 @@ def install(monkeypatch, backend_class, policy="late", seed=0):
     ``_interop`` and ``_transfers``. The device starts over with ``policy`` and ``seed``
     (``fake_device.FakeDevice.reset``). Returns the fake ``cupy``."""
     from burstmpi import _interop, _runtime, _transfers
-    from burstmpi._transport import nccl
+    from burstmpi._transport import mpi_library, nccl
     from burstmpi._transport.watchdog import deadline
 
     DEVICE.reset(policy, seed)
@@ -819,6 +819,7 @@ def install(monkeypatch, backend_class, policy="late", seed=0):
     monkeypatch.setattr(_runtime, "import_cupy", lambda fn: FakeCupy)
     monkeypatch.setattr(_runtime, "CupyBackend", backend_class)
     monkeypatch.setattr(nccl, "available", lambda: True)
+    monkeypatch.setattr(mpi_library, "cuda_support", lambda: True)  # the fake's MPI takes device memory
     real_communicator = getattr(nccl.communicator, "real", nccl.communicator)  # installed twice: not a fake's
 
     def communicator(comm, device_id, timeout=nccl.DEFAULT_TIMEOUT):

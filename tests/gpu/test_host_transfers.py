@@ -317,6 +317,22 @@ def test_host_transfers_mpi_grow_with_steps_not_length(gpu, how):
         assert (small.d2h > 0) == (NRANKS > 1 and how == "staged")
 
 
+def test_a_cuda_aware_setting_on_an_mpi_without_cuda_is_refused_on_every_rank(gpu, monkeypatch):
+    """``cuda_aware_mpi=True`` where the MPI says it takes no GPU memory (the pip wheels): an
+    error on every rank naming the setting and the MPI, not a segmentation fault in its
+    first send."""
+    from burstmpi._transport import mpi_library
+
+    monkeypatch.setattr(mpi_library, "cuda_support", lambda: False)
+    q = gpu.asarray(burstmpi.shard(ref.random_problem(1, 8 * NRANKS, 2, 2, D, seed=1)[0], layout="zigzag"))
+    plan = burstmpi.BurstAttention(causal=True, layout="zigzag", transport="mpi", cuda_aware_mpi=True)
+    every = ", ".join(map(str, range(NRANKS)))
+    with pytest.raises(ValueError, match=r"cuda_aware_mpi \(BURSTMPI_CUDA_AWARE_MPI\): expected an MPI that takes "
+                                         r"GPU memory, but .* says it does not \(MPIX_Query_cuda_support\(\) is 0 "
+                                         rf"on rank\(s\) {every}\)"):
+        plan.forward(q, q, q)
+
+
 def test_host_transfers_nccl_communicators_go_with_the_callers(gpu):
     """NCCL communicators belong to the state of the caller's communicator
     (``_transport.lifetime``): freeing it destroys them, before burstmpi's own duplicate
