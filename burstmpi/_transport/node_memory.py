@@ -39,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .segments import OWN_PREFIX, SHM_DIR, unlink_node_segments
-from .watchdog import allgather, collective
+from .watchdog import allgather, barrier, collective
 
 __all__ = ["NotShared", "map_node_memory", "drop_segment_names"]
 
@@ -120,9 +120,10 @@ def drop_segment_names(comm, hosts, timeout):
 
     MPICH's ranks map them all in ``MPI_Init``. Open MPI 5's attach a peer's
     ``sm_segment.*`` at their first message to it, so one message each way between every
-    two ranks of a host comes first (once per job: a few messages a rank), then its names
-    go too. Measured with Open MPI 5.0.11: a job killed or cut off otherwise left 16 MB
-    per rank in the host's ``/dev/shm``."""
+    two ranks of a host comes first (once per job: a few messages a rank), and a barrier
+    (no rank unlinks a name another has yet to attach), then its names go too. Measured
+    with Open MPI 5.0.11: a job killed or cut off otherwise left 16 MB per rank in the
+    host's ``/dev/shm``."""
     if MPI.Get_library_version().startswith("Open MPI"):
         me = comm.Get_rank()
         peers = [r for r, h in enumerate(hosts) if h == hosts[me] and r != me]
@@ -131,6 +132,7 @@ def drop_segment_names(comm, hosts, timeout):
             reqs = [comm.Isend(token, r, TAG) for r in peers]
             reqs += [comm.Irecv(got[i:i + 1], r, TAG) for i, r in enumerate(peers)]
             collective(comm, reqs, timeout, "the first message between the ranks of each host")
+        barrier(comm, timeout, "the barrier after the ranks of each host attached each other's memory")
         unlink_node_segments(ending=False, attached=True)
     else:
         unlink_node_segments(ending=False)

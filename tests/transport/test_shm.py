@@ -142,18 +142,16 @@ def test_options():
     assert isinstance(plan.transport, MPITransport)
 
 
-@needs_ranks(2)
-def test_no_room_in_shared_memory(monkeypatch):
-    """Where the node's /dev/shm cannot hold the window (Docker's 64 MB): "auto" copies
-    through MPI instead, with the same bits; "shm" raises on every rank, saying why."""
+def _falls_back_to_mpi(seed, refused):
+    """On a fresh communicator (its window yet to be made): "auto" copies through MPI, with
+    MPI's bits; "shm" raises ``NoRoom`` on every rank, its message matching ``refused``."""
     import burstmpi._transport.shm as shm
 
-    monkeypatch.setattr(shm, "free_shared_bytes", lambda: 64)
-    comm = COMM.Dup()  # a communicator whose window is yet to be made
+    comm = COMM.Dup()
     try:
         N = 9 * NRANKS + 2
         q, k, v = (burstmpi.shard(x, layout="zigzag")
-                   for x in ref.random_problem(1, N, 2, 2, 8, dtype=np.float32, seed=3)[:3])
+                   for x in ref.random_problem(1, N, 2, 2, 8, dtype=np.float32, seed=seed)[:3])
         plan = burstmpi.BurstAttention(comm, causal=True, layout="zigzag")
         got = plan.forward(q, k, v)
         assert plan.last_stats.transport == "mpi"
@@ -161,10 +159,20 @@ def test_no_room_in_shared_memory(monkeypatch):
         for a, b in zip(got, want):
             assert np.array_equal(a, b)
         strict = burstmpi.BurstAttention(comm, causal=True, layout="zigzag", transport="shm")
-        with pytest.raises(shm.NoRoom, match=r"transport 'shm': the ring's buffers need .* MB free; enlarge it"):
+        with pytest.raises(shm.NoRoom, match=refused):
             strict.forward(q, k, v)
     finally:
         comm.Free()
+
+
+@needs_ranks(2)
+def test_no_room_in_shared_memory(monkeypatch):
+    """Where the node's /dev/shm cannot hold the window (Docker's 64 MB): "auto" copies
+    through MPI instead, with the same bits; "shm" raises on every rank, saying why."""
+    import burstmpi._transport.shm as shm
+
+    monkeypatch.setattr(shm, "free_shared_bytes", lambda: 64)
+    _falls_back_to_mpi(3, r"transport 'shm': the ring's buffers need .* MB free; enlarge it")
 
 
 @needs_ranks(2)
@@ -173,7 +181,6 @@ def test_ranks_whose_shared_memory_is_not_shared(monkeypatch, tmp_path):
     memory cannot be mapped; "auto" copies through MPI, with the same bits; "shm" raises on
     every rank, naming the ranks and the file."""
     import burstmpi._transport.node_memory as node_memory
-    import burstmpi._transport.shm as shm
 
     real = node_memory._map
 
@@ -184,24 +191,9 @@ def test_ranks_whose_shared_memory_is_not_shared(monkeypatch, tmp_path):
 
     monkeypatch.setattr(node_memory, "_map", private)
     monkeypatch.setattr(node_memory, "SHM_DIR", str(tmp_path))
-    comm = COMM.Dup()
-    try:
-        N = 9 * NRANKS + 2
-        q, k, v = (burstmpi.shard(x, layout="zigzag")
-                   for x in ref.random_problem(1, N, 2, 2, 8, dtype=np.float32, seed=4)[:3])
-        plan = burstmpi.BurstAttention(comm, causal=True, layout="zigzag")
-        got = plan.forward(q, k, v)
-        assert plan.last_stats.transport == "mpi"
-        want = burstmpi.BurstAttention(comm, causal=True, layout="zigzag", transport="mpi").forward(q, k, v)
-        for a, b in zip(got, want):
-            assert np.array_equal(a, b)
-        strict = burstmpi.BurstAttention(comm, causal=True, layout="zigzag", transport="shm")
-        with pytest.raises(shm.NoRoom, match=r"transport 'shm': rank\(s\) 1 \(.*No such file.*\).* could not open "
-                                             r".*/burstmpi_.*their .* is not rank 0's"):
-            strict.forward(q, k, v)
-        assert not list(tmp_path.glob("burstmpi_*")), "a node memory file was left behind"
-    finally:
-        comm.Free()
+    _falls_back_to_mpi(4, r"transport 'shm': rank\(s\) 1 \(.*No such file.*\).* could not open "
+                          r".*/burstmpi_.*their .* is not rank 0's")
+    assert not list(tmp_path.glob("burstmpi_*")), "a node memory file was left behind"
 
 
 @needs_ranks(2)
