@@ -1,4 +1,4 @@
-"""K emulated hosts on one Linux machine, and MPICH's hydra launching across them.
+"""K emulated hosts on one Linux machine, and the MPI's launcher starting ranks across them.
 
 ``Cluster(hosts=4).up()`` makes a Linux bridge in the root namespace (the root namespace
 gets an address on it, for ``mpiexec``), K hosts (``hosts.Host``) plugged into it, a
@@ -12,11 +12,12 @@ makes starts with ``bmpi<slot>`` (bridge ``bmpi0br``, ports ``bmpi0p<i>``, names
 ``bmpi0h<i>``), and its state lives in ``/run/burstmpi-cluster/slot<slot>``, so leftovers
 are easy to find and remove (``clean``).
 
-``Cluster.mpiexec_argv`` is the launch line the tests use:
-``mpiexec -launcher ssh -launcher-exec SSH -iface BRIDGE -f HOSTFILE -ppn P -n N ...``,
-with the environment of ``Cluster.env``: UCX (the pip MPICH's netmod) pointed at the
-host's NIC, one BLAS thread per rank, and no ``BURSTMPI_RANKS_PER_NODE``: the nodes must
-come from MPI.
+``Cluster.mpiexec_argv`` is the launch line the tests use, that of the MPI this
+environment holds (``mpis``): for MPICH's and Intel MPI's hydra
+``mpiexec -launcher ssh -launcher-exec SSH -iface BRIDGE -f HOSTFILE -ppn P -n N ...``, for
+Open MPI's PRRTE ``mpirun --prtemca plm_ssh_agent SSH ...``; with the environment of
+``Cluster.env``: UCX and libfabric pointed at the host's NIC, one BLAS thread per rank,
+what the launcher needs, and no ``BURSTMPI_RANKS_PER_NODE``: the nodes must come from MPI.
 """
 
 import argparse
