@@ -95,16 +95,16 @@ def printed_checks(what, out, limit):
 
 
 def segments_left(since):
-    """MPICH node segments (``/dev/shm/mpich_shm_*``) made after ``since`` (a ``time.time()``)
-    that no live process maps: what a finished job left behind. A job that runs meanwhile
-    maps its own, so it does not count."""
+    """MPICH's and Open MPI's node segments (``/dev/shm/mpich_shm_*``, ``sm_segment.*``) made
+    after ``since`` (a ``time.time()``) that no live process maps: what a finished job left
+    behind. A job that runs meanwhile maps its own, so it does not count."""
     import glob
 
     from burstmpi._transport.segments import _mapped
 
     mapped = {path for maps in glob.glob("/proc/[0-9]*/maps") for _, _, path in _mapped(maps)}
     left = []
-    for path in glob.glob("/dev/shm/mpich_shm_*"):
+    for path in glob.glob("/dev/shm/mpich_shm_*") + glob.glob("/dev/shm/sm_segment.*"):
         try:
             if os.stat(path).st_mtime >= since and path not in mapped:
                 left.append(path)

@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
+from .segments import unlink_node_segments
 from .watchdog import DEFAULT_TIMEOUT, allgather, collective, guard
 
 __all__ = ["CommState", "CommunicatorFreed", "Released", "state_of", "owner", "private_comm", "split_once",
@@ -376,10 +377,17 @@ def _local_teardown(reason):
 @atexit.register
 def _at_exit():
     """At exit: local frees only (the module docstring). mpi4py finalizes MPI after Python's
-    exit handlers (this module is imported after it, so its handler runs first)."""
+    exit handlers (this module is imported after it, so its handler runs first). A process
+    started without a launcher (a singleton: ``python prog.py``) also drops the name of its
+    own node segment, which Open MPI 5 leaves in /dev/shm (no peer can need it)."""
     global _exiting
     _exiting = True
     _local_teardown("was dropped at exit")
+    try:
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() == 1:
+            unlink_node_segments(ending=False, attached=True)
+    except Exception:  # pragma: no cover - nothing at exit may raise
+        pass
 
 
 def _at_finalize(comm, keyval, value):

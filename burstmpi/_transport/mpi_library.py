@@ -14,14 +14,20 @@ import functools
 
 from mpi4py import MPI
 
-__all__ = ["library_name", "cuda_support", "refuse_cuda_unaware"]
+__all__ = ["library_version", "library_name", "cuda_support", "refuse_cuda_unaware"]
+
+
+def library_version():
+    """The first line of the MPI's own version string, as printable text: Open MPI's ends
+    in the C string's NUL byte (measured with 5.0.11), which a log would carry on."""
+    text = MPI.Get_library_version().replace("\0", "").strip()
+    return " ".join(text.splitlines()[0].split()) if text else "an unnamed MPI"
 
 
 def library_name():
-    """``Open MPI v5.0.11``, ``MPICH Version: 5.0.2``, ...: the first line of the MPI's own
-    version string, shortened to its name and version."""
-    first = MPI.Get_library_version().strip().splitlines()[0]
-    return " ".join(first.split(",")[0].split())
+    """``Open MPI v5.0.11``, ``MPICH Version: 5.0.2``, ...: ``library_version`` shortened
+    to the MPI's name and version."""
+    return library_version().split(",")[0].strip()
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,6 +37,7 @@ from .._config import settings
 from .._interop import bfloat16
 from .._sizes import parse_bytes, parse_size
 from .._transport import watchdog
+from .._transport.mpi_library import library_version
 from .._transport.nodes import nodes
 from . import regress, results
 from .results import say
@@ -441,7 +442,7 @@ def _sweep(comm, *, mode, params, dev, columns, configs, run_one, work, footer, 
     if cfg.internode_gbps and where.count > 1:
         how += f"; links between nodes slowed to {cfg.internode_gbps:g} GB/s (--internode-gbps, a simulation)"
     say(comm, f"# burstmpi-bench {__version__} ({mode}): backend {backend_line(comm, dev, transport)}, {P} rank(s), "
-              f"{MPI.Get_library_version().splitlines()[0].strip()}",
+              f"{library_version()}",
         "#  " + " ".join(f"{k} {v}" for k, v in params.items()),
         *placed, *([cpu_kernels_line(comm)] if dev.backend == "cpu" else []), cpu_line(),
         f"#  Nodes: {where.describe()} ({how})",

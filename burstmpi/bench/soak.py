@@ -41,6 +41,7 @@ from .. import reference
 from .._config import settings
 from .._plan_cache import MAX_PLANS, stats as cache_stats
 from .._transport import lifetime, segments, watchdog
+from .._transport.mpi_library import library_version
 from ..masks import Sinks
 from .common import TOLERANCE
 from .memory import rss_bytes
@@ -310,7 +311,7 @@ def main(minutes, hours, warmup, check_every, report_s, rss_growth, adapters, ti
     which = ({n for n in ("torch", "jax") if _installed(n)} if adapters == "auto"
              else set() if adapters == "none" else set(adapters.split(",")))
     if MPI.COMM_WORLD.Get_rank() == 0:
-        print(f"# burstmpi-soak: burstmpi {burstmpi.__version__}, {MPI.Get_library_version().splitlines()[0]}, "
+        print(f"# burstmpi-soak: burstmpi {burstmpi.__version__}, {library_version()}, "
               f"{MPI.COMM_WORLD.Get_size()} ranks, thread level {MPI.Query_thread()}; {seconds / 60:.1f} min after "
               f"{warmup} warm-up rounds; adapters: {', '.join(sorted(which)) or 'none'}", flush=True)
     sys.exit(soak(seconds, warmup=warmup, check_every=check_every, report_s=report_s, rss_growth=rss_growth,

@@ -5,10 +5,14 @@ from mpi4py import MPI
 from burstmpi._transport import mpi_library
 
 
-def test_the_library_is_named_by_its_first_words():
+def test_the_library_is_named_by_its_first_words(monkeypatch):
     name = mpi_library.library_name()
     assert name and "\n" not in name and "  " not in name
     assert MPI.Get_library_version().split()[0] in name
+    # Open MPI 5.0.11's version string ends in its C string's NUL: not printed on.
+    monkeypatch.setattr(mpi_library.MPI, "Get_library_version", lambda: "Open MPI v5.0.11, package: x\0")
+    assert mpi_library.library_version() == "Open MPI v5.0.11, package: x"
+    assert mpi_library.library_name() == "Open MPI v5.0.11"
 
 
 def test_cuda_support_is_asked_of_the_loaded_library(tmp_path):
