@@ -30,7 +30,8 @@ def plan_on_two_streams(xp, record=True):
     stream whose inputs are made there, both before the host reads any result: between them
     nothing but what burstmpi itself waits for orders the two streams. Each call's
     gradients checked against float64 (entered in the error table unless not ``record``:
-    test_stream_order.py runs it with a line taken out)."""
+    test_stream_order.py runs it with a line taken out). Returns how many gradients it
+    checked."""
     q, k, v, do = ref.random_problem(1, 16 * NRANKS + 3, 4, 2, D, dtype=np.float32, seed=1)
     sh = lambda x: xp.asarray(burstmpi.shard(x, layout="zigzag"))
     plan = burstmpi.BurstAttention(layout="zigzag", causal=True)
@@ -41,16 +42,20 @@ def plan_on_two_streams(xp, record=True):
             out, lse = plan.forward(*args[:3])
             results.append(plan.backward(args[3], *args[:3], out, lse))
     exact, plain = ref.backward(do, q, k, v, causal=True), ref.backward(do, q, k, v, causal=True, precision="plain")
+    checked = 0
     for grads in results:
         with xp.cuda.ExternalStream(OTHER, 0):  # read where the last call ran
             for name, g, e, p in zip(("dq", "dk", "dv"), grads, exact, plain):
                 check_close(f"two streams {name}", burstmpi.unshard(g.get(), layout="zigzag"), e, p, "float32",
                             record=record)
+                checked += 1
+    return checked
 
 
 @pytest.mark.timeout(300)
 def test_a_plan_used_from_two_streams_in_turn(gpu):
-    plan_on_two_streams(gpu)
+    assert plan_on_two_streams(gpu) == 6  # dq, dk, dv of each stream's call, against float64
+    fake.DEVICE.sanitizer.check()  # and no stream race between the two calls
 
 
 @pytest.mark.timeout(300)
