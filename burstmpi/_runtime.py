@@ -28,7 +28,6 @@ from ._transport import watchdog
 from ._transport.lifetime import state_of
 from ._transport import mpi_library
 from ._transport.mpi import DeviceMPITransport, MPITransport, StagedMPITransport
-from ._transport.mpi_library import refuse_cuda_unaware
 from ._transport.nodes import nodes
 from ._transport.node_memory import drop_segment_names
 from ._transport.shm import NoRoom, transport_for
@@ -260,7 +259,7 @@ class Runtime:
         # Every wait and copy below is counted (``burstmpi._transfers``): per ring step, by design.
         stream = cupy.cuda.get_current_stream
         if self.settings.cuda_aware_mpi:
-            refuse_cuda_unaware(fn, [r for r, (*_, cuda) in enumerate(everyone) if cuda is False])
+            mpi_library.refuse_cuda_unaware(fn, [r for r, (*_, cuda) in enumerate(everyone) if cuda is False])
             return DeviceMPITransport(self.comm, lambda: transfers.synchronize(stream()))
 
         def to_host(buf, out):
