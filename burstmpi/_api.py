@@ -19,7 +19,7 @@ __all__ = ["attention", "attention_backward", "shard", "unshard", "shard_indices
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None,
               layout=None, cu_seqlens=None, return_lse=False, mask=None, head_parallel=1,
-              topology="flat", timeout=None):
+              topology="flat", balance="auto", timeout=None):
     """Exact softmax attention over a sequence spread across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own part of the sequence.
@@ -65,6 +65,10 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     topology : {"flat", "two-level", "auto"}
         One ring, or a ring in each node and one between nodes (``burstmpi._ring.twolevel``; see
         ``BurstAttention``).
+    balance : {"auto", "off", "contiguous", "zigzag", "striped"}
+        "auto": where ``layout`` leaves the ranks' work unbalanced (causal on contiguous
+        shards), the ring runs on a balanced layout and the results come back in yours;
+        "off" keeps your layout; a layout name forces that one (``BurstAttention``).
     timeout : float, optional
         Seconds; None takes ``BURSTMPI_TIMEOUT`` (default 300). Every wait on other ranks
         has this deadline; on expiry the job is aborted with exit code 75 and a
@@ -88,18 +92,18 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     calls never write into them.
     """
     options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm="auto",
-                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
+                   balance=balance, mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
     out, lse = plan_cache.run("attention", comm, options, lambda plan: plan.forward(q, k, v, cu_seqlens=cu_seqlens))
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, window=None,
                        softmax_scale=None, layout=None, cu_seqlens=None, bwd_comm="auto", mask=None,
-                       head_parallel=1, topology="flat", timeout=None):
+                       head_parallel=1, topology="flat", balance="auto", timeout=None):
     """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to this rank's q, k, v.
 
     ``out`` and ``lse`` are the forward's results (``return_lse=True``); the other
-    arguments (``cu_seqlens``, ``mask``, ``head_parallel`` and ``topology`` included) must match the forward call. ``bwd_comm`` chooses
+    arguments (``cu_seqlens``, ``mask``, ``head_parallel``, ``topology`` and ``balance`` included) must match the forward call. ``bwd_comm`` chooses
     what circulates: "burst" (Q, dO, dQ), "ring" (K, V, dK, dV) or "auto" (fewer bytes).
     Gradients are accumulated in float32 (float64 for float64 inputs) across every ring
     step and returned in the dtype and kind of the inputs.
@@ -115,7 +119,7 @@ def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, wind
     where ``bwd_comm`` is "auto" (the default); ``burstmpi.release_cached()`` frees it.
     """
     options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
-                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
+                   balance=balance, mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
     return plan_cache.run("attention_backward", comm, options,
                           lambda plan: plan.backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens))
 

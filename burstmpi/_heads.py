@@ -143,7 +143,7 @@ class HeadParallel:
         where the exchange moves the arrays where they are)."""
         Z, Zkv = dims[2], dims[3]
         ex = self._exchange_for(call, xp)
-        ex.bytes_sent = 0
+        ex.reset()
         return ex, self._slices(Z, Zkv), _Staging(np if ex.xp is xp else xp)
 
     def forward(self, call, mask, layout_name, h, dims, cu_seqlens, xp):

@@ -6,19 +6,16 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ._gpu.device import abort_on_device_error, device_name
+from ._gpu.device import abort_on_device_error
+from . import _choices as choices
 from ._heads import HeadParallel, check_head_parallel
 from ._interop import like
 from .masks._intervals import Bounds
-from .model.flat import Machine, Shape
-from .model.topology import choose_topology
 from ._ring import flat as ring, twolevel, twolevel_backward, twoway
 from ._ring.context import Call
 from ._ring.geometry import geometry
 from ._ring.stats import PhaseStats
 from ._runtime import Runtime
-from ._transport.links import link_speeds
-from ._transport.watchdog import allgather
 from ._validate import (check_backward, check_cu_seqlens, check_forward, check_layout_given, check_options,
                        fingerprint, global_layout, layout_dependence)
 
@@ -30,6 +27,8 @@ class Stats:
     """``last_stats`` of a plan: the latest forward and backward, and the choices made.
 
     ``buffer_bytes`` is the memory the plan keeps for ring buffers between calls.
+    ``ring_layout`` is the layout the ring ran on: the caller's, or the balanced one the call
+    re-sharded to (``balance``).
     ``rate_tflops`` is the (forward, backward) kernel rate a rank, in TFLOP/s, with which
     ``topology="auto"`` asked the performance model for the latest call, and
     ``rate_source`` where it came from: "setting" (``kernel_tflops``), "measured by
@@ -46,6 +45,7 @@ class Stats:
     buffer_bytes: int = 0
     rate_tflops: Optional[Tuple[float, float]] = None
     rate_source: Optional[str] = None
+    ring_layout: Optional[str] = None
 
     def as_dict(self):
         return asdict(self)
@@ -94,6 +94,16 @@ class BurstAttention:
         through memory, it takes the other one-way mode when that leaves the busiest rank at
         least 2 % fewer pairs). The forward takes the two-way ring by itself
         whenever it moves fewer bytes (``last_stats.forward.direction`` is then 0).
+    balance : {"auto", "off", "contiguous", "zigzag", "striped"}
+        Where the call's layout leaves the ranks' work unbalanced (a causal mask on a
+        contiguous shard: the last rank computes almost all its pairs, the first almost
+        none), the ring runs on a balanced layout and the results come back in the caller's
+        (``burstmpi._ring.balance``: one all-to-all of the inputs, one of the results; only
+        the tokens that change rank move). "auto": the performance model's pick among the
+        caller's layout, zigzag and striped from the call's exact pair counts and the
+        exchange's bytes (``burstmpi.model.balance``); "off": the caller's layout always; a
+        layout name forces that one. ``last_stats.ring_layout`` says which ran; the
+        exchange's bytes count in ``bytes_sent``.
     backend : {"auto", "cpu", "cuda"}
         "auto" follows the arrays' device: GPU arrays (CuPy, or any DLPack producer on a
         CUDA device) run on burstmpi's CUDA kernels, host arrays on the CPU backend
@@ -160,13 +170,13 @@ class BurstAttention:
     """
 
     def __init__(self, comm=None, *, causal=False, window=None, softmax_scale=None,
-                 layout=None, bwd_comm="auto", backend="auto", transport="auto", device=None,
+                 layout=None, bwd_comm="auto", balance="auto", backend="auto", transport="auto", device=None,
                  runtime=None, mask=None, head_parallel=1, topology="flat", timeout=None,
                  tile_q=None, tile_k=None, cpu_kernels=None, cpu_gemm=None, threads=None, check=None,
                  cuda_aware_mpi=None, ranks_per_node=None, link_gbps=None, kernel_tflops=None):
         fn = "BurstAttention"
         check_options(fn, causal=causal, window=window, softmax_scale=softmax_scale, layout=layout,
-                      bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel, topology=topology)
+                      bwd_comm=bwd_comm, mask=mask, head_parallel=head_parallel, topology=topology, balance=balance)
         self.topology = topology
         given = dict(tile_q=tile_q, tile_k=tile_k, cpu_kernels=cpu_kernels, cpu_gemm=cpu_gemm, threads=threads,
                      check=check, cuda_aware_mpi=cuda_aware_mpi, ranks_per_node=ranks_per_node, link_gbps=link_gbps,
@@ -184,13 +194,14 @@ class BurstAttention:
         # ``layout_arg``: as given (None: not given, agreed on and checked per call in
         # ``_prepare``); ``layout_name``: what runs, "contiguous" for None.
         self.layout_arg, self.layout_name = layout, "contiguous" if layout is None else layout
-        self.softmax_scale, self.bwd_comm = softmax_scale, bwd_comm
+        self.softmax_scale, self.bwd_comm, self.balance = softmax_scale, bwd_comm, balance
+        self._balancing = None  # the re-sharding (``_ring.balance.Balancing``), made by the first call
         self.caller = None  # the public function that made this plan, if not the user (its errors name it)
         self.head_parallel = int(head_parallel)
         self._kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``): ``_groups_ring``
         # topology="auto": link speeds and kernel rates per kind of arrays, choices per shape
         self._links, self._rates, self._auto = {}, {}, {}
-        self._loads = {}  # bwd_comm="auto" on one node: the busiest rank's pairs per geometry (``_balanced``)
+        self._loads = {}  # bwd_comm="auto" on one node: the busiest rank's pairs per geometry (``_choices.balanced_mode``)
         self.last_stats = Stats()
         self.last_call = None  # the ``ring.context.Call`` of the latest call, for inspection
 
@@ -201,7 +212,7 @@ class BurstAttention:
         ``nodes``, with each group's tokens merged (layout ``NAME/u``), this member's share
         of ``mask``, and the runtime of the ring's other plans if there is one."""
         plan = cls(comm, causal=of.causal, window=of.window_arg, softmax_scale=of.softmax_scale,
-                   layout=of.layout_name, bwd_comm=of.bwd_comm, mask=mask, topology=of.topology,
+                   layout=of.layout_name, bwd_comm=of.bwd_comm, balance="off", mask=mask, topology=of.topology,
                    runtime=runtime if runtime is not None else Runtime(
                        "BurstAttention", comm, nodes=nodes, **of._made_with))
         plan.layout_name = layout_name
@@ -239,7 +250,7 @@ class BurstAttention:
         rt = self.runtime
         return (("causal", self.causal), ("window", self.window_arg),
                 ("softmax_scale", self.softmax_scale), ("layout", self.layout_arg),
-                ("bwd_comm", self.bwd_comm), ("backend", rt.backend_name),
+                ("bwd_comm", self.bwd_comm), ("balance", self.balance), ("backend", rt.backend_name),
                 ("transport", rt.transport_name), ("head_parallel", self.head_parallel),
                 ("topology", self.topology),
                 ("BURSTMPI_INTERNODE_GBPS", rt.settings.internode_gbps),  # it picks the transport
@@ -290,10 +301,15 @@ class BurstAttention:
         if self.mask is not None:  # the same global length and heads everywhere: the same error
             self.mask.check(fn, lay.seqlen, dims[2])
         geo = geometry(self.layout_name, self.nranks, lay.seqlen, self.window, cu, self.mask)
+        source, ring_geo = None, self._rebalanced(geo, kind, dims, conv["q"].dtype, cu)
+        if ring_geo is not None:  # the ring runs on a balanced layout (``_ring.balance``)
+            source, geo = geo, ring_geo
+        self.last_stats.ring_layout = geo.layout.name
         d = dims[4]
         scale = 1.0 / math.sqrt(d) if self.softmax_scale is None else float(self.softmax_scale)
         self.last_stats.rate_tflops = self.last_stats.rate_source = None  # set where the model is asked
-        topology = "flat" if self.head_parallel > 1 else self._ring_topology(kind, dims, conv["q"].dtype, lay.seqlen)
+        topology = "flat" if self.head_parallel > 1 else self._ring_topology(kind, dims, conv["q"].dtype, lay.seqlen,
+                                                                               geo.layout.name)
         rings = None
         if topology == "two-level":  # the runtime's, per kind of arrays, device and transport
             rings = rt.owned(("two-level", kind, getattr(self.backend, "device", None), self.transport.name,
@@ -303,7 +319,7 @@ class BurstAttention:
         call = self.last_call = Call(rank=self.rank, nranks=self.nranks, geometry=geo, scale=scale,
                                      backend=self.backend, transport=self.transport, channels=rt.channels,
                                      nodes=rt.nodes, timeout=rt.timeout,
-                                     kv_grads_accumulated=self._kv_grads_accumulated, rings=rings)
+                                     kv_grads_accumulated=self._kv_grads_accumulated, rings=rings, source=source)
         self.last_stats.topology = topology
         return conv, dims, call
 
@@ -321,23 +337,37 @@ class BurstAttention:
         fn = "BurstAttention.forward"
         h, dims, call = self._prepare(fn, {"q": q, "k": k, "v": v},
                                       lambda h: check_forward(fn, h["q"], h["k"], h["v"]), cu_seqlens)
+        mover = self._mover(call)
+        if mover is not None:  # to the balanced layout's rows
+            h = {n: mover.forth(x) for n, x in h.items()}
+            dims = (dims[0], h["q"].shape[1]) + tuple(dims[2:])
         if self.head_parallel > 1:
             groups = self._groups()
-            out, lse, st = groups.forward(call, self.mask, self.layout_name, h, dims, cu_seqlens, self._xp())
-            self.last_stats.forward = st
+            out, lse, st = groups.forward(call, self.mask, call.geometry.layout.name, h, dims, cu_seqlens,
+                                          self._xp())
             self._ring_of_groups_ran(groups)
-            self.last_stats.buffer_bytes = self.buffer_bytes
-            return like(out, q), like(lse, q)
-        if call.rings is not None:
-            run = twolevel.forward
         else:
-            run = twoway.forward if call.forward_two_way(dims, h["q"].dtype) else ring.forward
-        with abort_on_device_error(self.comm):
-            out, lse, st = run(call, h["q"], h["k"], h["v"], dims)
-            self._finish(call)
+            if call.rings is not None:
+                run = twolevel.forward
+            else:
+                run = twoway.forward if call.forward_two_way(dims, h["q"].dtype) else ring.forward
+            with abort_on_device_error(self.comm):
+                out, lse, st = run(call, h["q"], h["k"], h["v"], dims)
+                self._finish(call)
+            self.last_stats.transport = self._transport_name(call)
+        if mover is not None:  # and back to the caller's
+            out, lse = mover.back(out), mover.back(lse, axis=2)
+            mover.count(st, call.nodes)
         self.last_stats.forward, self.last_stats.buffer_bytes = st, self.buffer_bytes
-        self.last_stats.transport = self._transport_name(call)
         return like(out, q), like(lse, q)
+
+    def _rebalanced(self, geo, kind, dims, dtype, cu):
+        return choices.rebalanced(self, geo, kind, dims, dtype, cu)
+
+    def _mover(self, call):
+        """The re-sharding of a call that runs on a balanced layout (``_ring.balance.Mover``),
+        else None."""
+        return None if call.source is None else self._balancing.mover(call, self._xp())
 
     def _ring_of_groups_ran(self, groups):
         """``last_stats`` after head parallelism's ring of groups ran: the ring it took, and
@@ -353,7 +383,7 @@ class BurstAttention:
             call.rings.finish()
         self.runtime.finish()
 
-    def _ring_topology(self, kind, dims=None, dtype=None, seqlen=None):
+    def _ring_topology(self, kind, dims=None, dtype=None, seqlen=None, layout=None):
         """The ring this call runs: "two-level" or "flat". ``topology``'s "auto" is flat unless
         the ranks span several equal nodes of 2+ ranks; there the model chooses
         (``_auto_topology``) once the call's ``dims`` and global ``seqlen`` are agreed
@@ -362,48 +392,13 @@ class BurstAttention:
             return self.topology
         if not self.runtime.nodes.spread or dims is None:
             return "flat"
-        return self._auto_topology("cuda" if kind == "cuda" else "host", dims, dtype, seqlen)
+        return self._auto_topology("cuda" if kind == "cuda" else "host", dims, dtype, seqlen, layout)
 
-    def _auto_topology(self, where, dims, dtype, seqlen):
-        """The model's choice between the flat and the two-level ring for this call's shape
-        (``model.topology.choose_topology``), at the links' configured or measured speeds
-        (``transport.links``: measured once per plan and kind of arrays, collectively: MPI
-        on host buffers, or the plan's GPU transport on device buffers) and the kernel rate
-        for ``where`` ("host" or "cuda"; ``_kernel_rate``): both rings compute the same
-        pairs, so the rate decides only where both hide their transfers, and there they tie
-        and the flat ring is kept. Cached per shape; the same on every rank (the inputs are
-        agreed, the measurements reduced). ``last_stats`` records the rate."""
-        key = (where, tuple(dims), str(dtype), seqlen)
-        if where not in self._links:
-            gpu = dict(transport=self.transport, alloc=self.backend.alloc) if where == "cuda" else {}
-            self._links[where] = link_speeds(self.comm, self.runtime.nodes, timeout=self.runtime.timeout,
-                                             settings=self.runtime.settings, **gpu)
-            self._rates[where] = self._kernel_rate(where)
-        fwd, bwd, source = self._rates[where]
-        self.last_stats.rate_tflops, self.last_stats.rate_source = (fwd, bwd), source
-        if key not in self._auto:
-            nodes = self.runtime.nodes
-            intra, inter = self._links[where]
-            B, _, Z, Zkv, d, dv = dims
-            shape = Shape(B, seqlen, Z, Zkv, d, dv, np.dtype(dtype).itemsize, self.causal, self.window_arg)
-            g = len(nodes.members[0])
-            machine = Machine("auto", fwd_tflops=fwd, bwd_tflops=bwd, intra_gbps=intra, inter_gbps=inter,
-                              ranks_per_node=g)
-            mode = None if self.bwd_comm == "auto" else self.bwd_comm
-            self._auto[key] = choose_topology(shape, machine, self.nranks, self.layout_name, g, mode)
-        return self._auto[key]
+    def _auto_topology(self, where, dims, dtype, seqlen, layout):
+        return choices.auto_topology(self, where, dims, dtype, seqlen, layout)
 
     def _kernel_rate(self, where):
-        """``(forward, backward TFLOP/s, source)`` the model plans with for arrays on
-        ``where`` (``config.Settings.kernel_rate``: the setting, the rate file's measurement
-        for this GPU's model, or nominal), the slowest rank's: every rank must choose the
-        same ring, and the ring goes at its slowest rank's pace. Collective."""
-        backend = self.backend
-        gpu = where == "cuda" and getattr(backend, "xp", np) is not np  # a CuPy backend (not an emulated one)
-        mine = self.runtime.settings.kernel_rate(where, device_name(backend.xp, backend.device_id) if gpu else None)
-        every = allgather(self.comm, mine, self.runtime.timeout,
-                          "the allgather of the ranks' kernel rates (topology='auto')")
-        return min(every)
+        return choices.kernel_rate(self, where)
 
     def _transport_name(self, call):
         """``last_stats.transport`` after a call: the call may have fallen back to MPI, and
@@ -415,41 +410,8 @@ class BurstAttention:
         return getattr(self.backend, "xp", np)
 
     def choose_bwd_mode(self, call, dims, dtype):
-        """The backward mode of a call with these dims and dtype: fewest bytes moved, or with
-        host arrays on one node the better balanced one-way mode (``_balanced``)."""
-        if self.bwd_comm == "two-way" and self.nranks < 3:
-            return "burst"  # both directions would reach the same neighbour
-        if self.bwd_comm != "auto":
-            return self.bwd_comm
-        # Ties (one rank: nothing moves) go to the smaller full step, then to "burst".
-        cost = call.backward_costs(dims, dtype, self.nranks >= 3 and getattr(self.backend, "split_backward_free",
-                                                                             False))
-        best = min(cost, key=lambda m: cost[m])  # dicts keep order: ties go to burst, ring
-        one_node = self.runtime.nodes.count == 1 and self.backend.name == "cpu"
-        return self._balanced(call.geometry, best) if best != "two-way" and one_node else best
-
-    def _balanced(self, geo, fewest_bytes):
-        """The one-way backward for a call on host arrays with every rank on one node, given
-        the one that moves fewer bytes. There packets move through memory (or are read where
-        they lie: the "shm" transport), at a small cost next to the tiles', and the busiest
-        rank sets the pace: the other mode is taken when its busiest rank computes at least
-        2 % fewer pairs. Both transports choose alike, so they still give the same bits.
-
-        Masks can leave the ranks' keys much less evenly visible than their queries (the
-        bench's ``blocks:0.3`` on zigzag and causal leaves the busiest rank several per cent
-        more pairs as keys than as queries, ``bigbird`` with global keys on rank 0 much
-        more): the mode that moves fewer bytes is then not the faster one. Each rank counts
-        its own two loads (``Geometry.loads``); they are gathered once per geometry (a
-        collective: every rank's call gets here alike)."""
-        busiest = self._loads.get(geo)  # keyed by the object itself (identity): it stays alive
-        if busiest is None:
-            every = allgather(self.comm, geo.loads(self.rank), self.runtime.timeout,
-                              "the allgather of the ranks' loads (bwd_comm='auto')")
-            if len(self._loads) >= 32:
-                self._loads.pop(next(iter(self._loads)))
-            busiest = self._loads[geo] = {"burst": max(b for b, _ in every), "ring": max(r for _, r in every)}
-        other = "ring" if fewest_bytes == "burst" else "burst"
-        return other if busiest[other] < 0.98 * busiest[fewest_bytes] else fewest_bytes
+        """The backward mode of a call with these dims and dtype (``_choices.bwd_mode``)."""
+        return choices.bwd_mode(self, call, dims, dtype)
 
     def backward(self, dout, q, k, v, out, lse, *, cu_seqlens=None):
         """Gradients ``(dq, dk, dv)`` of this rank's q, k, v given ``dout``."""
@@ -461,27 +423,32 @@ class BurstAttention:
             return check_backward(fn, h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], lse_dtype)
 
         h, dims, call = self._prepare(fn, arrays, check, cu_seqlens)
+        mover = self._mover(call)
+        if mover is not None:  # to the balanced layout's rows (lse has its tokens last)
+            h = {n: mover.forth(x, axis=2 if n == "lse" else 1) for n, x in h.items()}
+            dims = (dims[0], h["q"].shape[1]) + tuple(dims[2:])
         if self.head_parallel > 1:
             groups = self._groups()
-            dq, dk, dv, st, mode = groups.backward(call, self.mask, self.layout_name, h, dims, cu_seqlens,
+            dq, dk, dv, st, mode = groups.backward(call, self.mask, call.geometry.layout.name, h, dims, cu_seqlens,
                                                    self._xp())
-            self.last_stats.backward, self.last_stats.bwd_mode = st, mode
-            self.last_stats.buffer_bytes = self.buffer_bytes
             self._ring_of_groups_ran(groups)
-            return like(dq, q), like(dk, k), like(dv, v)
-        dtype = h["q"].dtype
-        mode = (twolevel.choose_mode(self.bwd_comm, dims, dtype) if call.rings is not None
-                else self.choose_bwd_mode(call, dims, dtype))
-        args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)
-        with abort_on_device_error(self.comm):
-            if call.rings is not None:
-                dq, dk, dv, st = twolevel_backward.backward(call, mode, *args)
-            elif mode == "two-way":
-                dq, dk, dv, st = twoway.backward(call, *args)
-            else:
-                dq, dk, dv, st = ring.backward(call, mode, *args)
-            self._finish(call)
+        else:
+            dtype = h["q"].dtype
+            mode = (twolevel.choose_mode(self.bwd_comm, dims, dtype) if call.rings is not None
+                    else self.choose_bwd_mode(call, dims, dtype))
+            args = (h["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], dims)
+            with abort_on_device_error(self.comm):
+                if call.rings is not None:
+                    dq, dk, dv, st = twolevel_backward.backward(call, mode, *args)
+                elif mode == "two-way":
+                    dq, dk, dv, st = twoway.backward(call, *args)
+                else:
+                    dq, dk, dv, st = ring.backward(call, mode, *args)
+                self._finish(call)
+            self.last_stats.transport = self._transport_name(call)
+        if mover is not None:  # and back to the caller's
+            dq, dk, dv = (mover.back(x) for x in (dq, dk, dv))
+            mover.count(st, call.nodes)
         self.last_stats.backward, self.last_stats.bwd_mode = st, mode
-        self.last_stats.transport = self._transport_name(call)
         self.last_stats.buffer_bytes = self.buffer_bytes
         return like(dq, q), like(dk, k), like(dv, v)

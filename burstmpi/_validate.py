@@ -25,6 +25,7 @@ __all__ = ["SUPPORTED_DTYPES", "BWD_MODES", "TOPOLOGIES", "check_window", "check
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 BWD_MODES = ("auto", "burst", "ring", "two-way")
 TOPOLOGIES = ("flat", "two-level", "auto")
+BALANCE = ("auto", "off") + LAYOUTS  # ``_ring.balance``
 
 
 def _shape(x):
@@ -51,7 +52,7 @@ def check_mask(fn, mask):
 
 
 def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto", mask=None, head_parallel=1,
-                  topology="flat"):
+                  topology="flat", balance="auto"):
     check_mask(fn, mask)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{fn}: causal: expected a bool, got {causal!r}")
@@ -77,6 +78,8 @@ def check_options(fn, *, causal, window, softmax_scale, layout, bwd_comm="auto",
         raise ValueError(f"{fn}: head_parallel: expected an integer >= 1, got {head_parallel!r}")
     if topology not in TOPOLOGIES:
         raise ValueError(f"{fn}: topology: expected one of {TOPOLOGIES}, got {topology!r}")
+    if not isinstance(balance, str) or balance not in BALANCE:
+        raise ValueError(f"{fn}: balance: expected one of {BALANCE}, got {balance!r}")
 
 
 def _dtype_name(x):

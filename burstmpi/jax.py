@@ -416,9 +416,10 @@ def _function(cu, comm, options, buffers):
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout=None,
-              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat", timeout=None):
+              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat", balance="auto",
+              timeout=None):
     """``burstmpi.attention`` as a differentiable function of JAX arrays q, k, v (eager, or
-    inside ``jax.jit``/``jax.grad``). Shapes, masks, ``head_parallel``, ``topology``, documents and layouts as in
+    inside ``jax.jit``/``jax.grad``). Shapes, masks, ``head_parallel``, ``topology``, ``balance``, documents and layouts as in
     ``burstmpi.attention`` (this rank's part of the sequence; ``cu_seqlens`` a list or
     NumPy array, and ``mask`` a ``burstmpi.masks`` mask: static, like a shape). Returns out like q. Collective over ``comm`` in the
     forward and in the backward; every rank must trace and run the same program.
@@ -439,7 +440,8 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
     _check_devices_at_trace()
     cu = check_cu_seqlens(_NAME, cu_seqlens)
     options = dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
-                   mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout, backend="cpu")
+                   balance=balance, mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout,
+                   backend="cpu")
     comm = MPI.COMM_WORLD if comm is None else comm
     # The plan is the functional API's cache's (``burstmpi._plan_cache``: per communicator,
     # dropped with it, bounded, freed by ``release_cached``). Made or found now, as every

@@ -51,10 +51,10 @@ def _check_thread(what, cuda_backward=False):
     watchdog.check_caller_thread(_NAME, what)
 
 
-def _options(causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout):
+def _options(causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout, balance):
     """The plan cache's options (``plan_cache.run``) of a call."""
     return dict(causal=causal, window=window, softmax_scale=softmax_scale, layout=layout, bwd_comm=bwd_comm,
-                mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
+                balance=balance, mask=mask, head_parallel=head_parallel, topology=topology, timeout=timeout)
 
 
 def _stream(t):
@@ -93,10 +93,11 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=None, layout=None,
-              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat", timeout=None):
+              cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat", balance="auto",
+              timeout=None):
     """``burstmpi.attention`` as a differentiable function of torch tensors q, k, v.
 
-    Shapes, masks (``mask=``: ``burstmpi.masks``), ``head_parallel``, ``topology``, documents and layouts as in ``burstmpi.attention`` (this rank's part of
+    Shapes, masks (``mask=``: ``burstmpi.masks``), ``head_parallel``, ``topology``, ``balance``, documents and layouts as in ``burstmpi.attention`` (this rank's part of
     the sequence; ``cu_seqlens`` a list, NumPy array or CPU tensor of global offsets).
     ``layout`` is required as there: over several ranks with ``causal``, ``window``,
     ``mask`` or ``cu_seqlens``, left out it raises on every rank. ``timeout`` (seconds;
@@ -111,7 +112,8 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
                   and any(x.requires_grad for x in (q, k, v)))
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    options = _options(causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout)
+    options = _options(causal, window, softmax_scale, layout, bwd_comm, mask, head_parallel, topology, timeout,
+                       balance)
     # The plan is the functional API's cache's (``burstmpi._plan_cache``: per communicator,
     # dropped with it), so its ring buffers are reused from step to step.
     return _Attention.apply(q, k, v, MPI.COMM_WORLD if comm is None else comm, options, cu_seqlens)

@@ -67,7 +67,7 @@ def check_close(name, ours, exact, plain, dtype, record=True):
 def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float32", causal=False,
              window=None, layout="contiguous", bwd_comm="burst", softmax_scale=None, seed=0,
              check_backward=True, backend=None, transport=None, tag="", N=None, cu_seqlens=None, mask=None,
-             record=True, head_parallel=1, topology="flat"):
+             record=True, head_parallel=1, topology="flat", balance="auto"):
     """Run forward and backward on COMM_WORLD and check them against float64.
 
     The global length is ``N`` (default ``C`` tokens per rank); ``cu_seqlens`` packs
@@ -75,7 +75,8 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
     one; ``transport``: a transport class to build the plan's transport from; ``tag``
     prefixes the quantity names in the error table; ``mask``: a ``burstmpi.masks`` mask;
     ``record=False`` keeps the errors out of the table (runs meant to fail); ``head_parallel``:
-    the plan's (``burstmpi._heads``); ``topology``: the plan's ("flat", "two-level", "auto")."""
+    the plan's (``burstmpi._heads``); ``topology``: the plan's ("flat", "two-level", "auto");
+    ``balance``: the plan's (``burstmpi._ring.balance``)."""
     N = C * NRANKS if N is None else N
     q, k, v, do = ref.random_problem(B, N, Z, Zkv, d, dv, dtype=dtype_of(dtype), seed=seed)
     opts = dict(causal=causal, window=window, softmax_scale=softmax_scale, mask=mask)
@@ -83,6 +84,7 @@ def check_against_float64(*, B=1, C=24, Z=4, Zkv=2, d=32, dv=None, dtype="float3
     sh = lambda x: burstmpi.shard(x, layout=layout, **docs)
     un = lambda x, axis=1: burstmpi.unshard(x, layout=layout, axis=axis, **docs)
     plan = burstmpi.BurstAttention(layout=layout, bwd_comm=bwd_comm, head_parallel=head_parallel, topology=topology,
+                                   balance=balance,
                                    backend="auto" if backend is None else backend,
                                    transport="auto" if transport is None else transport, **opts)
     ql, kl, vl, dol = sh(q), sh(k), sh(v), sh(do)

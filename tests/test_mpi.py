@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 SUITE = ["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_interop.py",
          "api/test_layout_required.py", "api/test_timeout_keyword.py", "api/test_plan_cache.py",
          "ring/test_call_context.py", "ring/test_twoway.py", "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py",
-         "ring/test_auto_rate.py", "gpu/test_capability.py",
+         "ring/test_auto_rate.py", "ring/test_balance.py", "gpu/test_capability.py",
          "ring/test_twolevel.py", "masks/test_masks.py", "transport/test_shm.py", "transport/test_lifetime.py",
          "backends/test_kernel_backend.py", "backends/test_cpu_kernels.py", "backends/test_cpu_packed.py",
          "backends/test_tile_runs.py",
@@ -45,7 +45,7 @@ RANKS = [2, 3, 4, 8]
 AT_8 = (["api/test_attention.py", "api/test_varlen.py", "api/test_errors.py", "api/test_layout_required.py",
          "api/test_plan_cache.py", "ring/test_call_context.py", "ring/test_twoway.py",
          "ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_heads.py", "ring/test_twolevel.py",
-         "ring/test_auto_rate.py",
+         "ring/test_auto_rate.py", "ring/test_balance.py",
          "masks/test_masks.py", "transport/test_shm.py", "transport/test_lifetime.py", "decode/test_decode.py",
          "backends/test_cpu_packed.py"],
         "not emulated and not bitmap")
@@ -59,7 +59,7 @@ SELECT = {8: AT_8}
 OTHER_MPI = ["ring/test_schedule.py", "ring/test_transfer_order.py", "ring/test_twoway.py", "ring/test_heads.py",
              "ring/test_twolevel.py", "ring/test_call_context.py", "transport/test_shm.py",
              "transport/test_lifetime.py", "api/test_errors.py", "api/test_plan_cache.py", "api/test_varlen.py",
-             "decode/test_decode.py"]
+             "decode/test_decode.py", "ring/test_balance.py"]
 if os.environ.get("BURSTMPI_OTHER_MPI") == "1":
     RANKS = [2, 3, 4]
     SELECT = {n: (OTHER_MPI, None) for n in RANKS}

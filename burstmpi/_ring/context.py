@@ -31,7 +31,9 @@ class Call:
     ``channels(phase, specs)``: the runtime's buffers for a phase (``Runtime.channels``);
     ``rings``: the two-level rings (``twolevel.Rings``), for a two-level call only;
     ``kv_grads_accumulated``: dK/dV are returned unrounded (head parallelism adds the
-    shares of replicated K/V heads first, ``flat.finish_gradients``).
+    shares of replicated K/V heads first, ``flat.finish_gradients``); ``source``: the
+    geometry of the caller's layout where the call was re-sharded to ``geometry``'s
+    balanced one (``balance``), else None.
     """
 
     rank: int
@@ -45,6 +47,7 @@ class Call:
     timeout: float
     kv_grads_accumulated: bool = False
     rings: Optional[Any] = None
+    source: Optional[Any] = None
 
     # -- the schedule and its bytes --------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""Sequence shards to head shards and back, inside a group of ranks: one all-to-all each way.
+"""All-to-all exchanges of token rows: sequence shards to head shards and back inside a group
+of ranks (``HeadExchange``), and tokens from one layout to another (``TokenExchange``: the
+causal balancing of ``burstmpi._ring.balance``); one all-to-all each way.
 
 Head parallelism (``burstmpi._heads``, DeepSpeed-Ulysses' exchange) gives each of the u
 ranks of a group all the group's tokens for 1/u of the heads: rank i sends member j the
@@ -29,30 +31,29 @@ from mpi4py import MPI
 from .._transfers import to_device
 from .mpi import MPITransport
 
-__all__ = ["HeadExchange"]
+__all__ = ["AllToAll", "HeadExchange", "TokenExchange"]
 
 
 TAG = 51  # the point-to-point exchange's messages (a transport of the group's own)
 
 
-class HeadExchange:
-    """The all-to-all of one group: ``comm`` (the group's ranks, in group order) and the
-    positions each member holds (``positions[m]``, increasing). ``transport``: None for
-    ``MPI.Ialltoallv`` of host arrays, or a transport over ``comm`` whose grouped
-    point-to-point transfers carry the shares (NCCL: arrays of ``xp``, CuPy)."""
+class AllToAll:
+    """One all-to-all of byte parts over ``comm``. ``transport``: None for
+    ``MPI.Ialltoallv`` of host arrays (completed within the deadline of ``waits``, a host
+    transport over ``comm``), or a transport over ``comm`` whose grouped point-to-point
+    transfers carry the parts (NCCL: arrays of ``xp``, CuPy). ``bytes_sent`` counts what
+    left this rank; ``bytes_to`` per destination (``Nodes.internode`` reads it)."""
 
-    def __init__(self, comm, positions, transport=None, xp=np, waits=None):
+    what = "the all-to-all"
+
+    def __init__(self, comm, transport=None, xp=np, waits=None):
         self.comm, self.transport, self.xp = comm, transport, xp
-        # Without a transport: a host transport over ``comm`` whose deadline the
-        # nonblocking Alltoallv is completed with (``watchdog.complete``).
         self.waits = MPITransport(comm) if waits is None else waits
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
-        merged = np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int64)
-        self.counts = [len(p) for p in positions]
-        self.rows = len(merged)
-        # Where member m's rows sit among the group's (as indices of the arrays' module).
-        self.places = [to_device(xp, np.searchsorted(merged, p)) for p in positions]
-        self.bytes_sent = 0
+        self.bytes_sent, self.bytes_to = 0, {}
+
+    def reset(self):
+        self.bytes_sent, self.bytes_to = 0, {}
 
     def _exchange(self, parts, recv_shapes, dtype):
         """Send ``parts[j]`` (arrays) to member j; return the arrays received from each member,
@@ -67,10 +68,13 @@ class HeadExchange:
         if self.transport is None:
             self.waits.complete([self.comm.Ialltoallv([send, (scounts, _displs(scounts)), MPI.BYTE],
                                                       [recv, (rcounts, _displs(rcounts)), MPI.BYTE])],
-                                "the all-to-all of head parallelism")
+                                self.what)
         else:
             self._point_to_point(send, scounts, recv, rcounts)
-        self.bytes_sent += sum(c for j, c in enumerate(scounts) if j != self.rank)
+        for j, c in enumerate(scounts):
+            if j != self.rank and c:
+                self.bytes_sent += c
+                self.bytes_to[j] = self.bytes_to.get(j, 0) + c
         out, at = [], 0
         for shape, n in zip(recv_shapes, rcounts):
             out.append(recv[at:at + n].view(dtype).reshape(shape))
@@ -88,11 +92,28 @@ class HeadExchange:
             for j in range(self.size):
                 if j != me and scounts[j]:
                     reqs.append(t.isend(send[sd[j]:sd[j] + scounts[j]], j, TAG))
-                    peers.append(("send a head share to", j))
+                    peers.append((f"send {self.what}'s part to", j))
                 if j != me and rcounts[j]:
                     reqs.append(t.irecv(recv[rd[j]:rd[j] + rcounts[j]], j, TAG))
-                    peers.append(("receive a head share from", j))
+                    peers.append((f"receive {self.what}'s part from", j))
         t.wait(reqs, peers)
+
+
+class HeadExchange(AllToAll):
+    """The all-to-all of one group: ``comm`` (the group's ranks, in group order) and the
+    positions each member holds (``positions[m]``, increasing). ``transport``: None for
+    ``MPI.Ialltoallv`` of host arrays, or a transport over ``comm`` whose grouped
+    point-to-point transfers carry the shares (NCCL: arrays of ``xp``, CuPy)."""
+
+    what = "the all-to-all of head parallelism"
+
+    def __init__(self, comm, positions, transport=None, xp=np, waits=None):
+        super().__init__(comm, transport, xp, waits)
+        merged = np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int64)
+        self.counts = [len(p) for p in positions]
+        self.rows = len(merged)
+        # Where member m's rows sit among the group's (as indices of the arrays' module).
+        self.places = [to_device(xp, np.searchsorted(merged, p)) for p in positions]
 
     def to_heads(self, x, heads):
         """``x`` (B, C_me, H, ...), this rank's tokens of every head, to (B, C_group, h, ...):
@@ -128,6 +149,55 @@ class HeadExchange:
         out = xp.empty((B, mine, nheads) + rest, y.dtype)
         for sl, part in reversed(list(zip(heads, got))):  # the first member's copy wins
             out[:, :, sl] = part
+        return out
+
+
+
+class TokenExchange(AllToAll):
+    """Tokens from one layout to another over all the ranks of ``comm``: ``source[r]`` and
+    ``target[r]`` are the global positions rank r holds before and after (increasing, a
+    partition of the sequence each). ``forth`` moves a rank's rows from the source layout
+    to the target's, ``back`` the other way; each is one all-to-all, and a token that
+    stays on its rank is copied locally. Only the tokens that change rank travel, in
+    increasing position on both sides, so the exchange is irregular where documents make
+    the layouts so (``masks._layout``)."""
+
+    what = "the all-to-all of the causal balancing"
+
+    def __init__(self, comm, source, target, transport=None, xp=np, waits=None):
+        super().__init__(comm, transport, xp, waits)
+        me, P = self.rank, self.size
+        n = sum(len(p) for p in source)
+        owner, index = np.empty(n, np.int64), np.empty(n, np.int64)  # target rank and row of each token
+        for r, p in enumerate(target):
+            owner[p], index[p] = r, np.arange(len(p))
+        mine = np.asarray(source[me])
+        # sends[j]: my source rows going to rank j; recvs[j]: my target rows coming from rank j.
+        self.sends = [np.flatnonzero(owner[mine] == j) for j in range(P)]
+        self.recvs = [index[np.asarray(source[j])[owner[source[j]] == me]] for j in range(P)]
+        self.rows = (len(source[me]), len(target[me]))
+        self._sends = [to_device(xp, s) for s in self.sends]
+        self._recvs = [to_device(xp, s) for s in self.recvs]
+
+    def forth(self, x, axis=1):
+        """This rank's rows of the source layout (on ``axis``) to its rows of the target's."""
+        return self._move(x, axis, self._sends, self._recvs, self.rows[1])
+
+    def back(self, y, axis=1):
+        """This rank's rows of the target layout to its rows of the source's."""
+        return self._move(y, axis, self._recvs, self._sends, self.rows[0])
+
+    def _move(self, x, axis, take, put, rows):
+        xp = self.xp
+        x = xp.asarray(x)
+        parts = [xp.take(x, idx, axis=axis) for idx in take]
+        shape = lambda c: x.shape[:axis] + (c,) + x.shape[axis + 1:]
+        got = self._exchange(parts, [shape(len(idx)) for idx in put], x.dtype)
+        out = xp.empty(shape(rows), x.dtype)
+        lead = (slice(None),) * axis
+        for idx, part in zip(put, got):
+            if len(idx):
+                out[lead + (idx,)] = part
         return out
 
 

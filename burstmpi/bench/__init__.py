@@ -24,7 +24,7 @@ from mpi4py import MPI
 from .._config import settings
 from ..masks._layout import LAYOUTS
 from .._transport import watchdog
-from .._validate import TOPOLOGIES
+from .._validate import BALANCE, TOPOLOGIES
 from . import attention, decode as decode_mode
 from .attention import COLUMNS, CONFIG_KEYS, PRESETS, check_docs, flops, run_config
 from .common import DTYPES, comma_list, cpu_line, legend, parse_bytes, parse_counts, parse_size, parse_window, say
@@ -32,6 +32,10 @@ from .interrupt import Interrupts
 from .patterns import check_spec
 
 __all__ = ["main", "flops", "parse_size", "cpu_line", "run_config", "COLUMNS", "CONFIG_KEYS"]
+
+
+def _balances(value):
+    return comma_list(value, lambda x: x if x in BALANCE else None, f"some of {', '.join(BALANCE)}")
 
 
 def _topologies(value):
@@ -76,6 +80,11 @@ def _topologies(value):
               metavar="T[,T...]",
               help="The ring: flat, two-level (a ring in each node and one between nodes) or auto; a list runs "
                    "each side by side (BurstAttention(topology=)).")
+@click.option("--balance", default="auto", show_default=True, callback=lambda ctx, p, v: _balances(v),
+              metavar="B[,B...]",
+              help="Causal balancing: auto (re-shard to a balanced layout where the row's leaves ranks idle), off "
+                   "(run the row's layout as it is), or a layout to force; a list runs each side by side "
+                   "(BurstAttention(balance=)).")
 @click.option("--internode-gbps", default=None, type=click.FloatRange(0, min_open=True), metavar="X",
               help="A simulation aid: transfers between nodes (BURSTMPI_RANKS_PER_NODE fakes them) take at least "
                    "bytes / (X GB/s), as over a network of X GB/s per rank; sets BURSTMPI_INTERNODE_GBPS "

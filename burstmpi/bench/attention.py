@@ -55,8 +55,8 @@ from ..masks._intervals import Bounds, Mask
 from ..masks._layout import LAYOUTS
 from .._plan import BurstAttention
 from .._transport.nodes import nodes
-from .columns import (ALL_COLUMNS, COLUMNS, CONFIG_KEYS, HEAD_COLUMNS, LEGEND, MASK_COLUMNS, MEMORY_COLUMNS,
-                      NODE_COLUMNS, PADDED_COLUMNS, PRESETS, TORCH_COLUMNS)
+from .columns import (ALL_COLUMNS, BALANCE_COLUMNS, COLUMNS, CONFIG_KEYS, HEAD_COLUMNS, LEGEND, MASK_COLUMNS,
+                      MEMORY_COLUMNS, NODE_COLUMNS, PADDED_COLUMNS, PRESETS, TORCH_COLUMNS)
 from .common import (DTYPES, REDUCE, TOLERANCE, Device, barrier, budget_for, choices, deadline, np_dtype,
                      reads_in_place, resolve_device, say, seqlens, sweep, timed)
 from .estimates import attention_stages
@@ -268,7 +268,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     hp, topology = cfg.get("head_parallel") or 1, cfg.get("topology") or "flat"
     plan = BurstAttention(causal=bool(cfg["causal"]), window=window, layout=cfg["layout"],
                           bwd_comm=cfg["bwd_comm"], backend=dev.backend,
-                          transport=transport, mask=mask, head_parallel=hp, topology=topology, timeout=timeout)
+                          transport=transport, mask=mask, head_parallel=hp, topology=topology, timeout=timeout,
+                          balance=cfg.get("balance") or "auto")
     memory = _footprint(comm, cfg, window, q, k, v, do, cu, mask, timeout) if trace_memory else {}
     dense, dense_times = None, []  # the same shapes unmasked, for --mask PATTERN
     if mask is not None:
@@ -318,7 +319,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
     row = dict(cfg)
     row.pop("bwd_comm")
     fl = {phase: flops(B, N, Z, d, cfg["causal"], phase, window, cu) for phase in ("fwd", "bwd", "fwdbwd")}
-    pairs = comm.allgather(st.forward.pairs)
+    pairs = comm.allgather(st.forward.pairs)  # as computed: on the layout the ring ran on
+    bwd_pairs = comm.allgather(st.backward.pairs)
     if mask is not None:  # FLOPs of the visible pairs (per head on average), as with a window
         f = 4.0 * B * Z * d * float(sum(pairs))
         fl = {"fwd": f, "bwd": 2.5 * f, "fwdbwd": 3.5 * f}
@@ -347,6 +349,8 @@ def run_config(comm, cfg, *, iters, warmup, check, reduce, window, use_torch, se
         # None without documents, as rows from before --docs have it: old baselines still match.
         docs_spec=docs, docs=0 if cu is None else int(np.count_nonzero(np.diff(cu))),
         imbalance=max(pairs) / float(np.mean(pairs)) if np.mean(pairs) > 0 else 1.0,
+        bwd_imbalance=max(bwd_pairs) / float(np.mean(bwd_pairs)) if np.mean(bwd_pairs) > 0 else 1.0,
+        ring_layout=st.ring_layout, balance_shown=cfg.get("balance") or "auto",
         wrong=-1,
     )
     row["fwdbwd_tflops_all"] = row["fwdbwd_tflops"] * P
@@ -412,18 +416,21 @@ def main(comm, ctx, o):
     # head_parallel None for 1: rows from before --head-parallel still match a baseline's.
     configs = [dict(seqlen=n, batch=o["batch"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                     dtype=dt, causal=int(c), layout=lay, bwd_comm=bw, mask_spec=pattern,
-                    head_parallel=u if u > 1 else None, topology=None if topo == "flat" else topo)
+                    head_parallel=u if u > 1 else None, topology=None if topo == "flat" else topo,
+                    balance=None if bal == "auto" else bal)  # None: rows from before --balance still match
                for n in seqlens(minseq, maxseq, stepfactor)
                for dt in choices(dtype, DTYPES)
                for c in causals
                for lay in choices(layout, LAYOUTS)
                for bw in choices(o["bwd_comm"], ["burst", "ring", "two-way"])  # "all": side by side
                for u in o["head_parallel"]
-               for topo in o["topology"]]
+               for topo in o["topology"]
+               for bal in o["balance"]]
     params = dict(minseq=minseq, maxseq=maxseq, stepfactor=stepfactor, iters=o["iters"], warmup=o["warmup"],
                   check=o["check"], dtype=dtype, average=REDUCE[o["reduce"]][0], batch=o["batch"], heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, mask=mask, layout=layout,
                   head_parallel=",".join(map(str, o["head_parallel"])), topology=",".join(o["topology"]),
+                  balance=",".join(o["balance"]),
                   window=window, docs=docs, bwd=o["bwd_comm"], torch=o["use_torch"],
                   trace_memory=o["trace_memory"], seed=o["seed"], preset=o["preset"], baseline=o["baseline"],
                   tolerance=o["tolerance"] if o["baseline"] else None, mem_limit=o["mem_limit"],
@@ -440,6 +447,7 @@ def main(comm, ctx, o):
     columns = (COLUMNS + (MEMORY_COLUMNS if o["trace_memory"] else []) + (PADDED_COLUMNS if docs else [])
                + (MASK_COLUMNS if pattern else []) + (NODE_COLUMNS if nodes(comm, o["timeout"]).count > 1 else [])
                + (HEAD_COLUMNS if o["head_parallel"] != [1] or o["topology"] != ["flat"] else [])
+               + (BALANCE_COLUMNS if o["balance"] != ["auto"] else [])
                + (TORCH_COLUMNS if o["use_torch"] else []))
     work = [flops(c["batch"], c["seqlen"], c["heads"], c["head_dim"], c["causal"], "fwdbwd", window,
                   None if docs is None else packing.pack(docs, c["seqlen"], o["seed"]))

@@ -21,14 +21,15 @@ COLUMNS = [
     ("compute_ms", "comp", "ms", 9, ".1f"), ("exposed_ms", "exposed", "ms", 8, ".1f"),
     ("overlap", "overlap", "", 7, ".2f"), ("vs_local", "vs", "local", 6, ".2f"),
     ("steps_skipped", "skip", "steps", 5, "d"), ("docs", "docs", "/row", 5, "d"),
-    ("imbalance", "imbal", "pairs", 5, ".2f"), ("est_mb", "est", "MB/rk", 7, ".0f"),
+    ("imbalance", "imbal", "pairs", 5, ".2f"), ("bwd_imbalance", "bimbal", "pairs", 6, ".2f"),
+    ("ring_layout", "ran", "layout", 10, "s"), ("est_mb", "est", "MB/rk", 7, ".0f"),
     ("peak_mb", "peak", "MB/rk", 7, ".0f"), ("wrong", "#wrong", "", 6, "d"),
 ]
 
 
 # The keys that identify a configuration (regression mode matches rows on them).
 CONFIG_KEYS = ("seqlen", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
-               "bwd_mode", "ranks", "docs_spec", "mask_spec", "head_parallel", "topology")
+               "bwd_mode", "ranks", "docs_spec", "mask_spec", "head_parallel", "topology", "balance")
 
 
 # Published setups, so users can compare directly. Lengths are global; "per_rank" ones
@@ -68,6 +69,10 @@ MASK_COLUMNS = [
 HEAD_COLUMNS = [("ring", "ring", "", 9, "s"), ("hp", "head", "par", 4, "d")]
 
 
+# --balance with a list: the row's setting (its config key is None for "auto").
+BALANCE_COLUMNS = [("balance_shown", "bal", "", 5, "s")]
+
+
 # Shown where the ranks span several nodes (burstmpi._transport.nodes: BURSTMPI_RANKS_PER_NODE
 # makes one machine play several).
 NODE_COLUMNS = [("intra_mb", "intra", "MB/rk", 8, ".1f"), ("inter_mb", "inter", "MB/rk", 8, ".1f")]
@@ -80,7 +85,8 @@ TORCH_COLUMNS = [
 ]
 
 
-ALL_COLUMNS = COLUMNS + MEMORY_COLUMNS + PADDED_COLUMNS + MASK_COLUMNS + HEAD_COLUMNS + NODE_COLUMNS + TORCH_COLUMNS
+ALL_COLUMNS = (COLUMNS + MEMORY_COLUMNS + PADDED_COLUMNS + MASK_COLUMNS + HEAD_COLUMNS + BALANCE_COLUMNS + NODE_COLUMNS
+               + TORCH_COLUMNS)
 
 
 # One line per column for --legend (header and unit are the table's).
@@ -107,7 +113,12 @@ LEGEND = {
                 "per-rank shape (the largest ranks'), timed on every rank at once between the ring's iterations",
     "steps_skipped": "ring steps skipped in the forward, summed over ranks (fully masked blocks)",
     "docs": "documents per row (--docs)",
-    "imbalance": "the most visible (query, key) pairs a rank computed in the forward over the mean (1.00: balanced)",
+    "imbalance": "the most visible (query, key) pairs a rank computed in the forward over the mean (1.00: "
+                 "balanced): the pairs it actually computed, on the layout the ring ran on",
+    "bwd_imbalance": "the same for the backward (each rank's pairs as the backward mode computed them)",
+    "ring_layout": "the layout the ring ran on: the row's own, or the balanced one it re-sharded to "
+                   "(--balance; BurstAttention(balance=)); the re-shard's bytes count in fwd/bwd MB/rk",
+    "balance_shown": "--balance: the row's setting, auto or off (or a layout forced)",
     "est_mb": "memory one rank was estimated to need before the row, max over ranks: its resident set then plus "
               "the largest part of the row that ran (GPUs: the GPU memory of that part)",
     "peak_mb": "the resident set's peak during the row (GPUs: CuPy's pool), max over ranks; shared-memory "

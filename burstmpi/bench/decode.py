@@ -364,7 +364,7 @@ def main(comm, ctx, o):
     import click
 
     source = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
-    inapplicable = [f for f in ("mask", "layout", "docs", "bwd_comm", "use_torch", "trace_memory", "preset",
+    inapplicable = [f for f in ("mask", "layout", "docs", "bwd_comm", "balance", "use_torch", "trace_memory", "preset",
                                 "transport") if source(f)]
     if inapplicable:
         raise click.UsageError(f"--decode does not take {', '.join(inapplicable)} (decode is causal over a "

@@ -49,7 +49,7 @@ def _ring_buffers(cfg, C, P, shm, gpu):
     both = (max(kv[0], q[0]), max(kv[1], q[1]))
     modes = {"burst": q, "ring": kv, "two-way": both, "either one-way": both}
     mode = cfg["bwd_comm"]
-    if mode == "auto":  # host arrays: either one-way mode may run (``BurstAttention._balanced``)
+    if mode == "auto":  # host arrays: either one-way mode may run (``burstmpi._choices.balanced_mode``)
         mode = ("either one-way" if not gpu else "two-way" if P >= 3
                 else min(("burst", "ring"), key=lambda m: sum(modes[m])))
     packet, partial = modes[mode]

@@ -7,7 +7,9 @@ The peer is haoliuhl/ringattention (``ring_attention``, the blockwise JAX versio
 README shows for CPUs and GPUs): each of ``-n`` fake CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=N``) holds a contiguous block of the
 sequence under ``jax.shard_map``, and the K/V blocks travel by ``lax.ppermute``. burstmpi
-runs the same global inputs as ``mpiexec -n N`` ranks (zigzag layout). Both are pinned to the
+runs the same global inputs as ``mpiexec -n N`` ranks, by default in the peer's own layout
+(``--layout contiguous``), with its causal balancing on and, with ``--balance auto,off``,
+off beside it (``BurstAttention(balance=)``). Both are pinned to the
 same cores (``--cores``, default: every core this process may use), one after the other,
 in this one command, so their ratio is measured side by side.
 
@@ -31,6 +33,7 @@ import types
 import click
 import numpy as np
 
+from .._validate import BALANCE
 from .common import cpu_line, parse_size
 
 __all__ = ["main"]
@@ -112,11 +115,12 @@ def _run_burstmpi(args, out_dir):
     comm = watchdog.guarded(MPI.COMM_WORLD, settings().timeout, who="burstmpi.bench.ringpeer")
     N = args["seqlen"]
     glob = _inputs(N, args["heads"], args["head_dim"], args["seed"])
-    local = [burstmpi.shard(x, layout="zigzag") for x in glob]
+    layout = args["layout"]
+    local = [burstmpi.shard(x, layout=layout) for x in glob]
     q, k, v, do = local
     rows = {}
-    for causal in args["masks"]:
-        plan = burstmpi.BurstAttention(causal=causal, layout="zigzag")
+    for causal, balance in ((c, b) for c in args["masks"] for b in args["balance"]):
+        plan = burstmpi.BurstAttention(causal=causal, layout=layout, balance=balance)
         state = {}
 
         def fwd():
@@ -130,11 +134,11 @@ def _run_burstmpi(args, out_dir):
 
         tf = comm.allreduce(_best(fwd, args["iters"]), op=MPI.MAX)
         tfb = comm.allreduce(_best(fwdbwd, args["iters"]), op=MPI.MAX)
-        full = [burstmpi.unshard(x, layout="zigzag") for x in (state["out"], *state["grads"])]
+        full = [burstmpi.unshard(x, layout=layout) for x in (state["out"], *state["grads"])]
         if comm.Get_rank() == 0:
-            np.savez(os.path.join(out_dir, f"ours_{int(causal)}.npz"),
+            np.savez(os.path.join(out_dir, f"ours_{int(causal)}_{balance}.npz"),
                      **dict(zip(("out", "dq", "dk", "dv"), full)))
-        rows[int(causal)] = dict(fwd_s=tf, fwdbwd_s=tfb)
+        rows[f"{int(causal)}_{balance}"] = dict(fwd_s=tf, fwdbwd_s=tfb, ring_layout=plan.last_stats.ring_layout)
     return rows if comm.Get_rank() == 0 else None
 
 
@@ -165,15 +169,25 @@ def _launch(cmd, env, cores):
 @click.option("-H", "--heads", default=8, show_default=True)
 @click.option("-D", "--head-dim", default=64, show_default=True)
 @click.option("-m", "--mask", default="both", show_default=True, type=click.Choice(["none", "causal", "both"]))
+@click.option("-l", "--layout", default="contiguous", show_default=True,
+              type=click.Choice(["contiguous", "zigzag", "striped"]),
+              help="burstmpi's layout (the peer's is contiguous).")
+@click.option("--balance", default="auto", show_default=True, metavar="B[,B...]",
+              help="burstmpi's causal balancing, auto or off (or a layout); a list runs each.")
 @click.option("-i", "--iters", default=3, show_default=True, help="Timed iterations (the minimum is kept).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--cores", default=None, help="Cores to pin both sides to, e.g. 0-3 (default: all this process may use).")
 @click.option("--role", type=click.Choice(["peer", "burstmpi"]), default=None, hidden=True)
 @click.option("--out-dir", default=None, hidden=True)
-def main(ranks, seqlen, heads, head_dim, mask, iters, seed, cores, role, out_dir):
+def main(ranks, seqlen, heads, head_dim, mask, layout, balance, iters, seed, cores, role, out_dir):
     """Time burstmpi and the JAX ring-attention peer on the same inputs and cores."""
     masks = {"none": [False], "causal": [True], "both": [False, True]}[mask]
-    args = dict(ranks=ranks, seqlen=seqlen, heads=heads, head_dim=head_dim, masks=masks, iters=iters, seed=seed)
+    balances = balance.split(",")
+    bad = [b for b in balances if b not in BALANCE]
+    if bad:
+        raise click.BadParameter(f"expected some of {', '.join(BALANCE)}, got {bad[0]!r}", param_hint="--balance")
+    args = dict(ranks=ranks, seqlen=seqlen, heads=heads, head_dim=head_dim, masks=masks, iters=iters, seed=seed,
+                layout=layout, balance=balances)
     if role is not None:  # one side, in its own process
         rows = (_run_peer if role == "peer" else _run_burstmpi)(args, out_dir)
         if rows is not None:
@@ -187,7 +201,7 @@ def main(ranks, seqlen, heads, head_dim, mask, iters, seed, cores, role, out_dir
         raise click.ClickException("mpiexec not found (pip install mpich)")
     pinned = _cores(cores)
     me = [sys.executable, "-m", "burstmpi.bench.ringpeer", "-n", str(ranks), "-s", str(seqlen), "-H", str(heads),
-          "-D", str(head_dim), "-m", mask, "-i", str(iters), "--seed", str(seed)]
+          "-D", str(head_dim), "-m", mask, "-l", layout, "--balance", balance, "-i", str(iters), "--seed", str(seed)]
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={ranks}", JAX_PLATFORMS="cpu")
         peer = _launch(me + ["--role", "peer", "--out-dir", tmp], env, pinned)
@@ -198,21 +212,25 @@ def main(ranks, seqlen, heads, head_dim, mask, iters, seed, cores, role, out_dir
                         "--out-dir", tmp], env, pinned)
         diffs = {}
         for c in masks:
-            a, b = np.load(os.path.join(tmp, f"ours_{int(c)}.npz")), np.load(os.path.join(tmp, f"peer_{int(c)}.npz"))
-            diffs[int(c)] = {name: float(np.abs(a[name] - b[name]).max()) for name in ("out", "dq", "dk", "dv")}
+            for bal in balances:
+                a = np.load(os.path.join(tmp, f"ours_{int(c)}_{bal}.npz"))
+                b = np.load(os.path.join(tmp, f"peer_{int(c)}.npz"))
+                diffs[c, bal] = {name: float(np.abs(a[name] - b[name]).max()) for name in ("out", "dq", "dk", "dv")}
     import jax
 
     import burstmpi
 
     click.echo(f"# burstmpi {burstmpi.__version__} vs ringattention (JAX {jax.__version__}): {ranks} ranks / devices, "
                f"N {seqlen}, {heads} heads, head dim {head_dim}, float32, pinned to cores "
-               f"{','.join(map(str, pinned))}")
+               f"{','.join(map(str, pinned))}; burstmpi's layout {layout}")
     click.echo(cpu_line())
-    click.echo("#  causal   peer fwd   ours fwd  x peer   peer f+b   ours f+b  x peer    max |ours - peer| out/dq/dk/dv")
-    click.echo("#               (ms)       (ms)              (ms)       (ms)")
-    for c in masks:
-        p, o, d = peer[str(int(c))], ours[str(int(c))], diffs[int(c)]
-        click.echo(f"  {int(c):7d} {1e3 * p['fwd_s']:10.1f} {1e3 * o['fwd_s']:10.1f} {p['fwd_s'] / o['fwd_s']:7.2f} "
+    click.echo("#  causal balance        ran   peer fwd   ours fwd  x peer   peer f+b   ours f+b  x peer    "
+               "max |ours - peer| out/dq/dk/dv")
+    click.echo("#                                  (ms)       (ms)              (ms)       (ms)")
+    for c, bal in ((c, b) for c in masks for b in balances):
+        p, o, d = peer[str(int(c))], ours[f"{int(c)}_{bal}"], diffs[c, bal]
+        click.echo(f"  {int(c):7d} {bal:>7s} {o['ring_layout']:>10s} {1e3 * p['fwd_s']:10.1f} {1e3 * o['fwd_s']:10.1f} "
+                   f"{p['fwd_s'] / o['fwd_s']:7.2f} "
                    f"{1e3 * p['fwdbwd_s']:10.1f} {1e3 * o['fwdbwd_s']:10.1f} {p['fwdbwd_s'] / o['fwdbwd_s']:7.2f}    "
                    + " ".join(f"{d[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
 

@@ -18,7 +18,8 @@ import click
 import numpy as np
 
 from .._sizes import parse_size
-from .flat import MACHINES, Machine, Shape, predict, recommend
+from .balance import predict_balanced, predict_resharded
+from .flat import MACHINES, Machine, Shape, recommend
 from .topology import RINGS, predict_ring, scale_row
 
 
@@ -57,7 +58,9 @@ def predict_cmd(machine, fwd_tflops, bwd_tflops, ranks, seqlen, batch, heads, kv
                    **({"inter_gbps": inter_gbps} if inter_gbps else {})})
     shape = Shape(batch, seqlen, heads, kv_heads or heads, head_dim, head_dim, dtype_bytes, causal)
     rows = recommend(shape, m, ranks)
-    click.echo(f"# {m}\n# {shape}, {ranks} ranks")
+    rows = sorted(rows + [dict(predict_balanced(shape, m, ranks, "contiguous"), layout="contig>bal")],
+                  key=lambda r: r["fwdbwd_ms"])
+    click.echo(f"# {m}\n# {shape}, {ranks} ranks; contig>bal: contiguous shards re-sharded by balance='auto'")
     click.echo("# " + " ".join(k for k, _ in _TABLE))
     for r in rows:
         click.echo("  " + " ".join(format(r[k], f) for k, f in _TABLE))
@@ -94,11 +97,15 @@ def check(files, intra_gbps, inter_gbps, ranks_per_node, latency_us):
     ``--topology``/``--head-parallel`` runs are predicted for the ring they ran
     (``burstmpi.model.topology``)."""
 
-    click.echo(f"# {'ranks':>5} {'seqlen':>7} {'causal':>6} {'layout':>10} {'bwd':>5} {'ring':>9} {'hp':>3} "
-               f"{'measured':>10} {'predicted':>10} {'ratio':>6}")
+    click.echo(f"# {'ranks':>5} {'seqlen':>7} {'causal':>6} {'layout':>10} {'ran':>10} {'bwd':>5} {'ring':>9} "
+               f"{'hp':>3} {'measured':>10} {'predicted':>10} {'ratio':>6}")
     for path in files:
         with open(path) as fh:
             data = json.load(fh)
+        window = data.get("params", {}).get("window")
+        if data.get("params", {}).get("docs"):
+            click.echo(f"# {path}: rows of packed documents (--docs) are left out: the model has no documents")
+            continue
         for r in data["rows"]:
             P, N, B, Z, d = r["ranks"], r["seqlen"], r["batch"], r["heads"], r["head_dim"]
             C = -(-N // P)  # the local kernel ran on the largest rank's block
@@ -108,13 +115,14 @@ def check(files, intra_gbps, inter_gbps, ranks_per_node, latency_us):
                         intra_gbps=intra_gbps, inter_gbps=inter_gbps or intra_gbps, intra_latency_us=latency_us,
                         inter_latency_us=latency_us, ranks_per_node=ranks_per_node or max(P, 1))
             e = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[r["dtype"]]
-            shape = Shape(B, N, Z, r["kv_heads"], d, d, e, bool(r["causal"]))
+            shape = Shape(B, N, Z, r["kv_heads"], d, d, e, bool(r["causal"]), None if window is None else tuple(window))
             topology, hp = r.get("ring") or "flat", r.get("hp") or 1
+            ran = r.get("ring_layout") or r["layout"]  # rows from before balancing ran their own layout
             if topology == "flat" and hp == 1 and ranks_per_node is None:
-                p = predict(shape, m, P, r["layout"], r["bwd_mode"])
+                p = predict_resharded(shape, m, P, r["layout"], ran, r["bwd_mode"])
             else:
                 p = predict_ring(shape, m, P, r["layout"], topology, hp, bwd_mode=r["bwd_mode"])
-            click.echo(f"  {P:5d} {N:7d} {r['causal']:6d} {r['layout']:>10} {r['bwd_mode']:>5} {topology:>9} {hp:3d} "
+            click.echo(f"  {P:5d} {N:7d} {r['causal']:6d} {r['layout']:>10} {ran:>10} {r['bwd_mode']:>5} {topology:>9} {hp:3d} "
                        f"{r['fwdbwd_ms']:10.1f} {p['fwdbwd_ms']:10.1f} {r['fwdbwd_ms'] / p['fwdbwd_ms']:6.2f}")
 
 

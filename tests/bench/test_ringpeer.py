@@ -29,10 +29,17 @@ def test_help_and_a_length_the_peer_cannot_split():
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 @pytest.mark.timeout(600)
 def test_both_sides_agree_on_a_small_problem():
-    res = CliRunner().invoke(main, ["-n", "2", "-s", "2K", "-H", "2", "-D", "16", "-i", "1"])
+    res = CliRunner().invoke(main, ["-n", "2", "-s", "2K", "-H", "2", "-D", "16", "-i", "1", "--balance", "zigzag,off"])
     assert res.exit_code == 0, res.output + repr(res.exception)
     rows = [l.split() for l in res.output.splitlines() if l and not l.startswith("#")]
-    assert [r[0] for r in rows] == ["0", "1"]
+    # causal, balance, the layout the ring ran on (the peer's contiguous one, or balanced)
+    assert [r[:3] for r in rows] == [["0", "zigzag", "zigzag"], ["0", "off", "contiguous"],
+                                     ["1", "zigzag", "zigzag"], ["1", "off", "contiguous"]]
     for r in rows:
-        assert all(float(x) > 0 for x in r[1:7])
-        assert max(float(x) for x in r[7:11]) < 1e-4  # out, dq, dk, dv: both exact in float32
+        assert all(float(x) > 0 for x in r[3:9])
+        assert max(float(x) for x in r[9:13]) < 1e-4  # out, dq, dk, dv: both exact in float32
+
+
+def test_a_balance_it_does_not_know():
+    res = CliRunner().invoke(main, ["-n", "2", "-s", "2K", "--balance", "auto,sometimes"])
+    assert res.exit_code == 2 and "got 'sometimes'" in res.output

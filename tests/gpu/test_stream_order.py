@@ -41,13 +41,13 @@ D = 32
 ROOT = Path(burstmpi.__file__).resolve().parent
 
 
-def _ring(xp, mode, calls=2, Z=4, Zkv=2, **opts):
-    """``calls`` forward and backward calls (zigzag, causal) checked against float64."""
+def _ring(xp, mode, calls=2, Z=4, Zkv=2, layout="zigzag", **opts):
+    """``calls`` forward and backward calls (causal, zigzag by default) checked against float64."""
     N = 16 * NRANKS + 3
     q, k, v, do = ref.random_problem(1, N, Z, Zkv, D, dtype=np.float32, seed=5)
-    sh = lambda x: xp.asarray(burstmpi.shard(x, layout="zigzag"))
-    un = lambda x: burstmpi.unshard(x.get(), layout="zigzag")
-    plan = burstmpi.BurstAttention(layout="zigzag", causal=True, bwd_comm=mode, **opts)
+    sh = lambda x: xp.asarray(burstmpi.shard(x, layout=layout))
+    un = lambda x: burstmpi.unshard(x.get(), layout=layout)
+    plan = burstmpi.BurstAttention(layout=layout, causal=True, bwd_comm=mode, **opts)
     assert plan is not None
     exact, plain = ref.forward(q, k, v, causal=True), ref.forward(q, k, v, causal=True, precision="plain")
     gexact = ref.backward(do, q, k, v, causal=True)
@@ -86,6 +86,8 @@ SCENARIOS = {
     "ring burst": lambda xp: _ring(xp, "burst"),
     "ring ring": lambda xp: _ring(xp, "ring"),
     "head parallel": lambda xp: _ring(xp, "burst", calls=1, Z=2 * NRANKS, Zkv=NRANKS, head_parallel=NRANKS),
+    # Contiguous shards re-sharded to zigzag and back (the causal balancing's all-to-alls).
+    "balanced": lambda xp: _ring(xp, "ring", calls=1, layout="contiguous", balance="zigzag"),
     "decode": _decode,
     "two streams": lambda xp: plan_on_two_streams(xp, record=False),
     "staged MPI ring": lambda xp: _ring(xp, "burst", transport="mpi"),
@@ -139,8 +141,9 @@ POINTS = {
         ("_ring.twolevel_backward", "_Home.drain", "self.t.wait(reqs)", "pass", ["CUDA-aware MPI two-level ring"]),
     "a call on another stream than the last waits for the last's (CupyBackend.follow)":
         ("_backends.cupy_backend", "CupyBackend.follow", "cur.wait_event(prev.record())", "pass", ["two streams"]),
-    "head parallelism: the all-to-all's shares are read only after they arrived":
-        ("_transport.alltoall", "HeadExchange._point_to_point", "t.wait(reqs, peers)", "pass", ["head parallel"]),
+    "the all-to-alls' shares are read only after they arrived (head parallelism, balancing)":
+        ("_transport.alltoall", "AllToAll._point_to_point", "t.wait(reqs, peers)", "pass",
+         ["head parallel", "balanced"]),
     # Host synchronisations of MPI on device buffers: the host, through MPI, reads and writes
     # memory a stream writes and reads.
     "CUDA-aware MPI: a send reads the packet only after the kernels wrote it":

@@ -1,0 +1,148 @@
+"""Causal work balanced whatever the caller's layout: the ring runs on a balanced layout, and
+the results come back in the caller's.
+
+A causal ring goes at its busiest rank's pace. With ``layout="contiguous"`` the last rank
+sees almost every key and the first almost none (1.75x the mean pairs at 4 ranks, 1.87x at
+8), so a plan whose geometry leaves the ranks unbalanced re-shards by itself: one
+all-to-all moves each rank's q, k, v (the backward's dout, q, k, v, out, lse) to the rows a
+balanced layout gives it, the ring runs there, and one all-to-all returns out and lse (dq,
+dk, dv). Only the tokens that change rank travel (``transport.alltoall.TokenExchange``);
+with documents the zigzag cuts each long document and keeps short ones whole, so the
+exchange is irregular and the same code serves.
+
+Which layout: every candidate's exact pair matrix (``Geometry.pairs``: windows, masks and
+documents included) goes to the performance model with the exchange's bytes
+(``model.balance``), and the fastest predicted wins where it beats the caller's layout by
+``GAIN``. Zigzag is balanced for causal masks, striped for most windows (and runs every
+ring step); neither for every mask, so the pairs decide, not a rule. The plan's ``balance``
+setting forces a layout or turns this off; ``last_stats.ring_layout`` says what ran.
+
+Schemes weighed and left (their measurements: ``docs/design.md``): DistFlashAttn's helper
+schedule (idle ranks compute query blocks of busy ones and return O and the statistics) needs
+no re-shard but with whole blocks is at best (P+1)/P of the balanced time, 1.25 at 4 ranks,
+and finer blocks multiply its messages; it also needs a second merge path in every backend.
+The permutation costs one exchange of the inputs and one of the results, a few per cent of a
+causal step's compute on the CPU, and reuses the balanced ring, its backward modes, the
+two-level ring, head parallelism and the GPU transports unchanged.
+"""
+
+import numpy as np
+
+from .._transfers import to_device, to_host
+from .._transport.alltoall import TokenExchange
+from .._transport.mpi import MPITransport
+
+__all__ = ["CANDIDATES", "GAIN", "NOMINAL_GBPS", "pair_matrix", "moved_rows", "Balancing", "Mover"]
+
+CANDIDATES = ("zigzag", "striped")  # in order of preference where they tie
+GAIN = 0.03  # the predicted time a re-shard must save, as a fraction of the caller's layout's
+# The links the choice assumes, GB/s (within a node, between nodes) where ``link_gbps`` is not
+# set: measuring them would cost a collective per plan for a choice that is rarely close.
+NOMINAL_GBPS = {"host": (10.0, 10.0), "cuda": (100.0, 25.0)}
+
+
+def pair_matrix(geo):
+    """P x P visible pairs of ``geo``: [holder, owner] = holder's queries against owner's keys."""
+    P = geo.layout.nranks
+    return np.array([[geo.pairs(h, o) for o in range(P)] for h in range(P)], dtype=np.int64)
+
+
+def moved_rows(source, target):
+    """Per rank, the tokens it sends away to go from layout ``source`` to ``target``. The
+    way back each rank sends what it received: ``moved_rows(target, source)``."""
+    P = source.nranks
+    owner = np.empty(source.seqlen, np.int64)
+    for r in range(P):
+        owner[target.positions(r)] = r
+    return np.array([int(np.count_nonzero(owner[source.positions(r)] != r)) for r in range(P)])
+
+
+class Balancing:
+    """A plan's re-sharding: the exchange of its latest (source, target) layouts, kept, since a
+    training loop repeats its shapes and packed documents change them every batch."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._last = None  # (source layout, target layout, transport, xp, Mover)
+        self._chosen = {}  # the caller's geometry (identity: geometries are cached) -> target name, predictions
+
+    def target(self, setting, geo, geometry_of, choose):
+        """The geometry the ring runs on for a call of geometry ``geo`` (the caller's layout),
+        or None to run on ``geo`` itself. ``setting``: the plan's ``balance``;
+        ``geometry_of(name)``: the call's geometry on another layout; ``choose(candidates,
+        caller)``: the model's pick (``model.balance.choose``: candidates map a name to
+        (pairs, rows)). The same on every rank: everything it reads is agreed."""
+        caller, P = geo.layout.name, geo.layout.nranks
+        if setting == "off" or P == 1 or setting == caller:
+            return None
+        if setting != "auto":
+            return geometry_of(setting)
+        if geo.mask.dense:  # every layout computes every pair: nothing to balance
+            return None
+        got = self._chosen.get(geo)
+        if got is None:
+            others = {n: geometry_of(n) for n in CANDIDATES if n != caller}
+            cands = {caller: (pair_matrix(geo), None)}
+            cands.update({n: (pair_matrix(g), (moved_rows(geo.layout, g.layout), moved_rows(g.layout, geo.layout)))
+                          for n, g in others.items()})
+            if len(self._chosen) >= 32:
+                self._chosen.pop(next(iter(self._chosen)))
+            got = self._chosen[geo] = choose(cands, caller)
+        name = got[0]
+        return None if name == caller else geometry_of(name)
+
+    def predictions(self, geo):
+        """The model's (forward s, backward s, forward bytes, backward bytes) per layout
+        for ``geo``'s last choice (``model.balance.predict_layout``), or None."""
+        got = self._chosen.get(geo)
+        return None if got is None else got[1]
+
+    def mover(self, call, xp):
+        """The ``Mover`` of ``call`` (``call.source``: the caller's geometry; ``call.geometry``
+        the balanced one the ring runs on), for arrays of ``xp``."""
+        src, dst, t = call.source.layout, call.geometry.layout, call.transport
+        last = self._last
+        if last is None or last[0] is not src or last[1] is not dst or last[2] is not t or last[3] is not xp:
+            P = src.nranks
+            on_device = xp is not np
+            if on_device and t.name == "nccl":  # grouped NCCL transfers: GPU arrays skip the host
+                ex = TokenExchange(self.comm, [src.positions(r) for r in range(P)],
+                                   [dst.positions(r) for r in range(P)], transport=t, xp=xp)
+            else:  # MPI's all-to-all of host arrays, within the plan's deadline
+                waits = MPITransport(self.comm)
+                waits.idle, waits.timeout = getattr(t, "idle", False), call.timeout
+                ex = TokenExchange(self.comm, [src.positions(r) for r in range(P)],
+                                   [dst.positions(r) for r in range(P)], waits=waits)
+            self._last = last = (src, dst, t, xp, Mover(ex, xp))
+        last[4].exchange.reset()
+        return last[4]
+
+
+class Mover:
+    """Arrays of ``xp`` through a ``TokenExchange`` (staged through host memory where the
+    exchange runs on host arrays; the copies are counted, ``burstmpi._transfers``)."""
+
+    def __init__(self, exchange, xp):
+        self.exchange, self.xp = exchange, xp
+        self._staged = exchange.xp is not xp
+
+    def forth(self, x, axis=1):
+        return self._back_to(self.exchange.forth(self._out(x), axis))
+
+    def back(self, y, axis=1):
+        return self._back_to(self.exchange.back(self._out(y), axis))
+
+    def _out(self, x):
+        return to_host(x) if self._staged else x
+
+    def _back_to(self, x):
+        return to_device(self.xp, x) if self._staged else x
+
+    def count(self, stats, nodes):
+        """Add the exchange's bytes to a phase's ``PhaseStats`` (those to other nodes too)."""
+        ex = self.exchange
+        stats.bytes_sent += ex.bytes_sent
+        if nodes is not None:
+            stats.bytes_internode += nodes.internode(ex.bytes_to)
+        ex.reset()
+        return stats
