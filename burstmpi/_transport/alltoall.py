@@ -9,24 +9,27 @@ the heads it serves itself. The group's tokens are kept in increasing position (
 merged layout ``NAME/u`` of ``burstmpi.masks._layout``), so each member's rows land at their
 places in that order, not one member after another.
 
-Two ways to move the shares, one exchange per array and direction:
+Either way the shares move as point-to-point transfers, every share to its member and
+every share from it posted as one group, one exchange per array and direction; a member's
+own share is a local copy, and empty shares are sent by nobody and awaited by nobody (both
+sides know the counts):
 
-- ``MPI.Ialltoallv`` of bytes completed within the deadline, on host arrays (GPU arrays are staged through host memory
-  when the ring's transport is MPI). Counts are bytes, so a member's share over
-  2**31 - 1 bytes needs MPI-4's large-count routines, which mpi4py 4 calls where the MPI
-  library has them: a 2 GiB + 64 B exchange between 2 ranks arrived intact with mpi4py
-  4.1.2 and MPICH 5.0.2. An MPI without them was not tried.
-- A transport's point-to-point transfers (``transport=``: NCCL on GPUs, the plan's
-  transport ``on`` the group's communicator): every share to its member and every share
-  from it, posted as one group, so NCCL runs them as one all-to-all on its stream, ordered
-  after the kernels that wrote the shares and before those that read them, with no copy
-  through the host. NCCL has no all-to-all call of its own; grouped sends and receives
-  are how it is written (a member's own share is a device copy). Empty shares are sent by
-  nobody and awaited by nobody (both sides know the counts).
+- On host arrays, MPI's ``Isend``/``Irecv`` of bytes completed within the deadline (GPU
+  arrays are staged through host memory when the ring's transport is MPI). Not
+  ``MPI.Ialltoallv``: MPICH 5.0.2 progresses a nonblocking all-to-all a little per test,
+  so 4 MiB a peer took 46 ms at 2 ranks with the wait spinning and 576 ms with it sleeping
+  between tests (as the watchdog's waits do where ranks share cores), against 0.5-0.6 ms
+  for the same bytes as point-to-point transfers either way (4 ranks: 4.6 ms; a blocking
+  ``Alltoallv`` 1.9 and 7.0 ms). Counts are bytes, so a share over 2**31 - 1 bytes needs
+  MPI-4's large-count routines, which mpi4py 4 calls where the MPI library has them.
+- A transport's transfers (``transport=``: NCCL on GPUs, the plan's transport ``on`` the
+  group's communicator): NCCL runs the group as one all-to-all on its stream, ordered after
+  the kernels that wrote the shares and before those that read them, with no copy through
+  the host. NCCL has no all-to-all call of its own; grouped sends and receives are how it
+  is written.
 """
 
 import numpy as np
-from mpi4py import MPI
 
 from .._transfers import to_device
 from .mpi import MPITransport
@@ -34,14 +37,14 @@ from .mpi import MPITransport
 __all__ = ["AllToAll", "HeadExchange", "TokenExchange"]
 
 
-TAG = 51  # the point-to-point exchange's messages (a transport of the group's own)
+TAG = 51  # the exchange's messages (after the ring's, which have completed: no other message is pending)
 
 
 class AllToAll:
-    """One all-to-all of byte parts over ``comm``. ``transport``: None for
-    ``MPI.Ialltoallv`` of host arrays (completed within the deadline of ``waits``, a host
-    transport over ``comm``), or a transport over ``comm`` whose grouped point-to-point
-    transfers carry the parts (NCCL: arrays of ``xp``, CuPy). ``bytes_sent`` counts what
+    """One all-to-all of byte parts over ``comm``. ``transport``: None for MPI's transfers of
+    host arrays (``waits``, a host transport over ``comm``: its waits have the deadline), or
+    a transport over ``comm`` whose grouped point-to-point transfers carry the parts (NCCL:
+    arrays of ``xp``, CuPy). ``bytes_sent`` counts what
     left this rank; ``bytes_to`` per destination (``Nodes.internode`` reads it)."""
 
     what = "the all-to-all"
@@ -65,12 +68,7 @@ class AllToAll:
         scounts = [p.size * item for p in parts]
         rcounts = [int(np.prod(s)) * item for s in recv_shapes]
         recv = xp.empty(sum(rcounts), xp.uint8)
-        if self.transport is None:
-            self.waits.complete([self.comm.Ialltoallv([send, (scounts, _displs(scounts)), MPI.BYTE],
-                                                      [recv, (rcounts, _displs(rcounts)), MPI.BYTE])],
-                                self.what)
-        else:
-            self._point_to_point(send, scounts, recv, rcounts)
+        self._point_to_point(send, scounts, recv, rcounts)
         for j, c in enumerate(scounts):
             if j != self.rank and c:
                 self.bytes_sent += c
@@ -82,12 +80,12 @@ class AllToAll:
         return out
 
     def _point_to_point(self, send, scounts, recv, rcounts):
-        """The exchange as one group of sends and receives on ``transport``, waited for (on
-        NCCL: the compute stream waits; the host does not)."""
+        """The exchange as one group of sends and receives on ``transport`` (or MPI's,
+        ``waits``), waited for (on NCCL: the compute stream waits; the host does not)."""
         sd, rd = _displs(scounts), _displs(rcounts)
         me = self.rank
         recv[rd[me]:rd[me] + rcounts[me]] = send[sd[me]:sd[me] + scounts[me]]
-        t, reqs, peers = self.transport, [], []
+        t, reqs, peers = self.transport or self.waits, [], []
         with t.group():
             for j in range(self.size):
                 if j != me and scounts[j]:

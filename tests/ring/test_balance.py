@@ -62,6 +62,17 @@ def test_a_tiny_problem_is_not_worth_the_exchange():
     assert choose(shape, gpu, 4, "contiguous", cands)[0] == "contiguous"
 
 
+def test_older_baselines_still_match():
+    """The bench's ``balance`` key is None for "auto": a baseline row from before it has no
+    such key and matches the same configuration run today; "off" is a row of its own."""
+    from burstmpi.bench import CONFIG_KEYS
+    from burstmpi.bench.regress import _key
+
+    old = {k: 1 for k in CONFIG_KEYS if k != "balance"}
+    assert _key(old, CONFIG_KEYS) == _key(dict(old, balance=None), CONFIG_KEYS)
+    assert _key(old, CONFIG_KEYS) != _key(dict(old, balance="off"), CONFIG_KEYS)
+
+
 @pytest.mark.parametrize("balance", ["on", "", None, 1, "Zigzag"])
 def test_bad_balance_is_refused(balance):
     with pytest.raises(ValueError, match=r"BurstAttention: balance: expected one of \('auto', 'off'"):

@@ -197,9 +197,9 @@ def test_bytes_across_nodes_fall_to_the_ring_of_groups(per_node):
 
 
 @multirank
-def test_point_to_point_exchange_matches_alltoallv():
+def test_point_to_point_exchange_matches_mpis():
     """``HeadExchange`` over a transport's grouped sends and receives (NCCL's way on GPUs)
-    moves what ``MPI.Alltoallv`` moves, with a member that holds no tokens (no message to or
+    moves what MPI's transfers move, with a member that holds no tokens (no message to or
     from it) and unequal shares; the bytes counted are the same."""
     from burstmpi._transport.alltoall import HeadExchange
     from ordered_transport import InOrderTransport
