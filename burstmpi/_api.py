@@ -103,7 +103,8 @@ def attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, wind
     """Gradients ``(dq, dk, dv)`` of ``attention`` with respect to this rank's q, k, v.
 
     ``out`` and ``lse`` are the forward's results (``return_lse=True``); the other
-    arguments (``cu_seqlens``, ``mask``, ``head_parallel``, ``topology`` and ``balance`` included) must match the forward call. ``bwd_comm`` chooses
+    arguments (``cu_seqlens``, ``mask``, ``head_parallel``, ``topology`` and ``balance`` included) must match
+    the forward call. ``bwd_comm`` chooses
     what circulates: "burst" (Q, dO, dQ), "ring" (K, V, dK, dV) or "auto" (fewer bytes).
     Gradients are accumulated in float32 (float64 for float64 inputs) across every ring
     step and returned in the dtype and kind of the inputs.

@@ -201,7 +201,8 @@ class BurstAttention:
         self._kv_grads_accumulated = False  # dK/dV returned unrounded (``ring.finish_gradients``): ``_groups_ring``
         # topology="auto": link speeds and kernel rates per kind of arrays, choices per shape
         self._links, self._rates, self._auto = {}, {}, {}
-        self._loads = {}  # bwd_comm="auto" on one node: the busiest rank's pairs per geometry (``_choices.balanced_mode``)
+        # bwd_comm="auto" on one node: the busiest rank's pairs per geometry (``_choices.balanced_mode``)
+        self._loads = {}
         self.last_stats = Stats()
         self.last_call = None  # the ``ring.context.Call`` of the latest call, for inspection
 

@@ -419,7 +419,8 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
               cu_seqlens=None, bwd_comm="auto", mask=None, head_parallel=1, topology="flat", balance="auto",
               timeout=None):
     """``burstmpi.attention`` as a differentiable function of JAX arrays q, k, v (eager, or
-    inside ``jax.jit``/``jax.grad``). Shapes, masks, ``head_parallel``, ``topology``, ``balance``, documents and layouts as in
+    inside ``jax.jit``/``jax.grad``). Shapes, masks, ``head_parallel``, ``topology``, ``balance``, documents and
+    layouts as in
     ``burstmpi.attention`` (this rank's part of the sequence; ``cu_seqlens`` a list or
     NumPy array, and ``mask`` a ``burstmpi.masks`` mask: static, like a shape). Returns out like q. Collective over ``comm`` in the
     forward and in the backward; every rank must trace and run the same program.

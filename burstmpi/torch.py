@@ -97,7 +97,8 @@ def attention(q, k, v, *, comm=None, causal=False, window=None, softmax_scale=No
               timeout=None):
     """``burstmpi.attention`` as a differentiable function of torch tensors q, k, v.
 
-    Shapes, masks (``mask=``: ``burstmpi.masks``), ``head_parallel``, ``topology``, ``balance``, documents and layouts as in ``burstmpi.attention`` (this rank's part of
+    Shapes, masks (``mask=``: ``burstmpi.masks``), ``head_parallel``, ``topology``, ``balance``, documents and
+    layouts as in ``burstmpi.attention`` (this rank's part of
     the sequence; ``cu_seqlens`` a list, NumPy array or CPU tensor of global offsets).
     ``layout`` is required as there: over several ranks with ``causal``, ``window``,
     ``mask`` or ``cu_seqlens``, left out it raises on every rank. ``timeout`` (seconds;

@@ -60,48 +60,40 @@ class AllToAll:
 
     def _exchange(self, parts, recv_shapes, dtype):
         """Send ``parts[j]`` (arrays) to member j; return the arrays received from each member,
-        of ``recv_shapes`` and ``dtype``."""
-        xp = self.xp
-        item = np.dtype(dtype).itemsize
-        send = xp.concatenate([xp.ascontiguousarray(p).reshape(-1).view(xp.uint8) for p in parts]) \
-            if parts else xp.zeros(0, xp.uint8)
-        scounts = [p.size * item for p in parts]
-        rcounts = [int(np.prod(s)) * item for s in recv_shapes]
-        recv = xp.empty(sum(rcounts), xp.uint8)
-        self._point_to_point(send, scounts, recv, rcounts)
-        for j, c in enumerate(scounts):
-            if j != self.rank and c:
-                self.bytes_sent += c
-                self.bytes_to[j] = self.bytes_to.get(j, 0) + c
-        out, at = [], 0
-        for shape, n in zip(recv_shapes, rcounts):
-            out.append(recv[at:at + n].view(dtype).reshape(shape))
-            at += n
-        return out
+        of ``recv_shapes`` and ``dtype``. Each part travels as it lies (no packing into one
+        buffer), and this rank's own part is handed back as received, uncopied."""
+        xp, me = self.xp, self.rank
+        parts = [xp.ascontiguousarray(p) for p in parts]
+        recvs = [parts[j].reshape(s) if j == me else xp.empty(s, dtype) for j, s in enumerate(recv_shapes)]
+        self._point_to_point(parts, recvs)
+        for j, p in enumerate(parts):
+            if j != me and p.size:
+                self.bytes_sent += p.nbytes
+                self.bytes_to[j] = self.bytes_to.get(j, 0) + p.nbytes
+        return recvs
 
-    def _point_to_point(self, send, scounts, recv, rcounts):
+    def _point_to_point(self, parts, recvs):
         """The exchange as one group of sends and receives on ``transport`` (or MPI's,
         ``waits``), waited for (on NCCL: the compute stream waits; the host does not)."""
-        sd, rd = _displs(scounts), _displs(rcounts)
         me = self.rank
-        recv[rd[me]:rd[me] + rcounts[me]] = send[sd[me]:sd[me] + scounts[me]]
+        as_bytes = lambda a: a.reshape(-1).view(self.xp.uint8)
         t, reqs, peers = self.transport or self.waits, [], []
         with t.group():
             for j in range(self.size):
-                if j != me and scounts[j]:
-                    reqs.append(t.isend(send[sd[j]:sd[j] + scounts[j]], j, TAG))
+                if j != me and parts[j].size:
+                    reqs.append(t.isend(as_bytes(parts[j]), j, TAG))
                     peers.append((f"send {self.what}'s part to", j))
-                if j != me and rcounts[j]:
-                    reqs.append(t.irecv(recv[rd[j]:rd[j] + rcounts[j]], j, TAG))
+                if j != me and recvs[j].size:
+                    reqs.append(t.irecv(as_bytes(recvs[j]), j, TAG))
                     peers.append((f"receive {self.what}'s part from", j))
         t.wait(reqs, peers)
 
 
 class HeadExchange(AllToAll):
     """The all-to-all of one group: ``comm`` (the group's ranks, in group order) and the
-    positions each member holds (``positions[m]``, increasing). ``transport``: None for
-    ``MPI.Ialltoallv`` of host arrays, or a transport over ``comm`` whose grouped
-    point-to-point transfers carry the shares (NCCL: arrays of ``xp``, CuPy)."""
+    positions each member holds (``positions[m]``, increasing). ``transport``: None for MPI's
+    transfers of host arrays, or a transport over ``comm`` whose grouped point-to-point
+    transfers carry the shares (NCCL: arrays of ``xp``, CuPy)."""
 
     what = "the all-to-all of head parallelism"
 
@@ -198,6 +190,3 @@ class TokenExchange(AllToAll):
                 out[lead + (idx,)] = part
         return out
 
-
-def _displs(counts):
-    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist() if counts else []

@@ -122,7 +122,8 @@ def check(files, intra_gbps, inter_gbps, ranks_per_node, latency_us):
                 p = predict_resharded(shape, m, P, r["layout"], ran, r["bwd_mode"])
             else:
                 p = predict_ring(shape, m, P, r["layout"], topology, hp, bwd_mode=r["bwd_mode"])
-            click.echo(f"  {P:5d} {N:7d} {r['causal']:6d} {r['layout']:>10} {ran:>10} {r['bwd_mode']:>5} {topology:>9} {hp:3d} "
+            click.echo(f"  {P:5d} {N:7d} {r['causal']:6d} {r['layout']:>10} {ran:>10} {r['bwd_mode']:>5} {topology:>9} "
+                       f"{hp:3d} "
                        f"{r['fwdbwd_ms']:10.1f} {p['fwdbwd_ms']:10.1f} {r['fwdbwd_ms'] / p['fwdbwd_ms']:6.2f}")
 
 
