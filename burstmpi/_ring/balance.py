@@ -17,12 +17,12 @@ documents included) goes to the performance model with the exchange's bytes
 ring step); neither for every mask, so the pairs decide, not a rule. The plan's ``balance``
 setting forces a layout or turns this off; ``last_stats.ring_layout`` says what ran.
 
-Schemes weighed and left (their measurements: ``docs/design.md``): DistFlashAttn's helper
+Schemes weighed and left (why: ``docs/design.md``): DistFlashAttn's helper
 schedule (idle ranks compute query blocks of busy ones and return O and the statistics) needs
 no re-shard but with whole blocks is at best (P+1)/P of the balanced time, 1.25 at 4 ranks,
 and finer blocks multiply its messages; it also needs a second merge path in every backend.
 The permutation costs one exchange of the inputs and one of the results, a few per cent of a
-causal step's compute on the CPU, and reuses the balanced ring, its backward modes, the
+causal call on the CPU (``docs/performance.md``), and reuses the balanced ring, its backward modes, the
 two-level ring, head parallelism and the GPU transports unchanged.
 """
 
@@ -64,7 +64,7 @@ class Balancing:
     def __init__(self, comm):
         self.comm = comm
         self._last = None  # (source layout, target layout, transport, xp, Mover)
-        self._chosen = {}  # the caller's geometry (identity: geometries are cached) -> target name, predictions
+        self._chosen = {}  # the caller's geometry (identity: geometries are cached) -> (target, predictions)
 
     def target(self, setting, geo, geometry_of, choose):
         """The geometry the ring runs on for a call of geometry ``geo`` (the caller's layout),
@@ -91,28 +91,20 @@ class Balancing:
         name = got[0]
         return None if name == caller else geometry_of(name)
 
-    def predictions(self, geo):
-        """The model's (forward s, backward s, forward bytes, backward bytes) per layout
-        for ``geo``'s last choice (``model.balance.predict_layout``), or None."""
-        got = self._chosen.get(geo)
-        return None if got is None else got[1]
-
     def mover(self, call, xp):
         """The ``Mover`` of ``call`` (``call.source``: the caller's geometry; ``call.geometry``
         the balanced one the ring runs on), for arrays of ``xp``."""
         src, dst, t = call.source.layout, call.geometry.layout, call.transport
         last = self._last
         if last is None or last[0] is not src or last[1] is not dst or last[2] is not t or last[3] is not xp:
-            P = src.nranks
-            on_device = xp is not np
-            if on_device and t.name == "nccl":  # grouped NCCL transfers: GPU arrays skip the host
-                ex = TokenExchange(self.comm, [src.positions(r) for r in range(P)],
-                                   [dst.positions(r) for r in range(P)], transport=t, xp=xp)
-            else:  # MPI's all-to-all of host arrays, within the plan's deadline
+            if xp is not np and t.name == "nccl":  # grouped NCCL transfers: GPU arrays skip the host
+                how = dict(transport=t, xp=xp)
+            else:  # MPI's transfers of host arrays, within the plan's deadline
                 waits = MPITransport(self.comm)
                 waits.idle, waits.timeout = getattr(t, "idle", False), call.timeout
-                ex = TokenExchange(self.comm, [src.positions(r) for r in range(P)],
-                                   [dst.positions(r) for r in range(P)], waits=waits)
+                how = dict(waits=waits)
+            ranks = range(src.nranks)
+            ex = TokenExchange(self.comm, [src.positions(r) for r in ranks], [dst.positions(r) for r in ranks], **how)
             self._last = last = (src, dst, t, xp, Mover(ex, xp))
         last[4].exchange.reset()
         return last[4]
@@ -127,9 +119,11 @@ class Mover:
         self._staged = exchange.xp is not xp
 
     def forth(self, x, axis=1):
+        """``x`` (its tokens on ``axis``) in the caller's rows to the balanced layout's."""
         return self._back_to(self.exchange.forth(self._out(x), axis))
 
     def back(self, y, axis=1):
+        """``y`` in the balanced layout's rows back to the caller's."""
         return self._back_to(self.exchange.back(self._out(y), axis))
 
     def _out(self, x):
