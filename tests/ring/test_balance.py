@@ -143,7 +143,7 @@ def test_the_same_bits_as_the_balanced_layout_run_directly():
 
 @multirank
 def test_auto_balances_a_contiguous_causal_call_and_counts_the_exchange():
-    N = 256 * NRANKS
+    N = 1024 * NRANKS
     q, k, v, do = ref.random_problem(1, N, 4, 4, 32, dtype=np.float32, seed=1)
     sh = lambda x: burstmpi.shard(x, layout="contiguous")
     st = {}
