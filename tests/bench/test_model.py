@@ -56,8 +56,10 @@ def test_cli_predicts_and_recommends():
     res = CliRunner().invoke(cli.main, ["predict", "-P", "4", "-N", "16K", "-H", "8", "--causal"])
     assert res.exit_code == 0, res.output
     assert "# Recommended: layout" in res.output and "# Recommended across nodes:" in res.output
-    # 6 layout x mode rows, then flat, two-level and head-parallel across the nodes
-    assert sum(1 for l in res.output.splitlines() if not l.startswith("#")) == 9
+    # 6 layout x mode rows and contiguous re-sharded by balance="auto" ("contig>bal"), then
+    # flat, two-level and head-parallel across the nodes
+    rows = [l.split() for l in res.output.splitlines() if not l.startswith("#")]
+    assert len(rows) == 10 and [r[0] for r in rows].count("contig>bal") == 1
 
 
 def test_two_way_backward_moves_each_block_one_hop_each_way():
