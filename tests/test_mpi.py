@@ -113,6 +113,19 @@ def segments_left(since):
     return left
 
 
+def ended_with(rc, out):
+    """The exit code the job's ranks ended it with: the launcher's ``rc``, except where Open
+    MPI's ``prterun`` itself died of a signal (rc < 0) after printing an MPI_Abort's code.
+    prterun 5.0.11 crashed that way (SIGSEGV) twice in CI, after every rank had ended and
+    its abort notice was out: a launcher's bug, not the ranks' (docs/guide/clusters.md)."""
+    if rc is not None and rc < 0 and "prterun has exited due to process rank" in out:
+        codes = re.findall(r"MPI_ABORT was invoked on rank \d+ .*\n.*\n\s*Errorcode: (\d+)", out)
+        if codes:
+            print(f"prterun died of signal {-rc} after the ranks' MPI_Abort({codes[0]}): counted as {codes[0]}")
+            return int(codes[0])
+    return rc
+
+
 def mpiexec(n, args, timeout, expect_hang=False, via_mpi4py=True, **env_extra):
     """Run ``mpiexec -n n python -m mpi4py ARGS`` (without ``-m mpi4py`` if not
     ``via_mpi4py``); return (returncode, output, seconds).

@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from burstmpi._transport import watchdog
-from test_mpi import mpiexec, pytestmark as under_mpiexec, segments_left  # noqa: F401  (skips alike)
+from test_mpi import ended_with, mpiexec, pytestmark as under_mpiexec, segments_left  # noqa: F401  (skips alike)
 
 pytestmark = under_mpiexec
 
@@ -43,6 +43,7 @@ def _ends_by_watchdog(script, n=3, via_mpi4py=False, code=watchdog.EXIT_TIMEOUT,
     unlinks it as the job ends, also where no burstmpi call ran yet)."""
     since = time.time()
     rc, out, secs = mpiexec(n, ["-c", PRELUDE + textwrap.dedent(script)], timeout=120, via_mpi4py=via_mpi4py)
+    rc = ended_with(rc, out)
     assert rc == code, f"expected exit {code}, got {rc}:\n{out[-3000:]}"
     assert not segments_left(since), f"the job left {segments_left(since)} in /dev/shm"
     lines = _watchdog_lines(out)

@@ -20,7 +20,7 @@ import pytest
 
 from burstmpi._transport import watchdog
 from conftest import REPORTS
-from test_mpi import mpiexec, pytestmark as under_mpiexec  # noqa: F401  (skips alike)
+from test_mpi import ended_with, mpiexec, pytestmark as under_mpiexec  # noqa: F401  (skips alike)
 
 pytestmark = under_mpiexec
 
@@ -69,7 +69,7 @@ def test_a_peer_that_stops_inside_nccl_ends_the_job_by_the_deadline(case):
     at, n, opts, expect = CASES[case]
     script = JOB.format(here=str(Path(__file__).parent), at=at, n=n, opts=opts, timeout=TIMEOUT)
     rc, out, secs = mpiexec(2, ["-c", script], timeout=120)
-    ended = time.time()
+    rc, ended = ended_with(rc, out), time.time()
     stop = re.search(r"fake NCCL: rank 1 stops answering \(SIGSTOP\) at its \w+ #\d+ at ([0-9.]+)", out)
     assert stop, f"{case}: rank 1 did not stop where asked:\n{out[-3000:]}"
     lines = [line for line in out.splitlines() if line.startswith(watchdog.PREFIX)]
