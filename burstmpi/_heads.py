@@ -20,7 +20,7 @@ is cut to each member's heads (``masks.head_slice``).
 import numpy as np
 
 from .masks import head_slice
-from ._transfers import to_device, to_host
+from ._transfers import Staging
 from ._transport.alltoall import HeadExchange
 from ._transport.lifetime import split_once
 from ._transport.nodes import Nodes
@@ -144,7 +144,7 @@ class HeadParallel:
         Z, Zkv = dims[2], dims[3]
         ex = self._exchange_for(call, xp)
         ex.reset()
-        return ex, self._slices(Z, Zkv), _Staging(np if ex.xp is xp else xp)
+        return ex, self._slices(Z, Zkv), Staging(xp, ex.xp)
 
     def forward(self, call, mask, layout_name, h, dims, cu_seqlens, xp):
         """``(out, lse, stats)`` of checked and agreed arrays ``h`` (q, k, v) of ``call``
@@ -211,17 +211,3 @@ def _rows_last(lse):
     """(B, heads, C) <-> (B, C, heads), contiguous: lse with its tokens where the exchange
     wants them (axis 1), and back (NumPy or CuPy: ``copy`` makes C order in both)."""
     return lse.transpose(0, 2, 1).copy()
-
-
-class _Staging:
-    """Host copies of GPU arrays for the all-to-all, and back (``xp``: the arrays' module;
-    the copies counted, ``burstmpi._transfers``)."""
-
-    def __init__(self, xp):
-        self.xp = xp
-
-    def out(self, x):
-        return x if self.xp is np else to_host(x)
-
-    def back(self, x):
-        return x if self.xp is np else to_device(self.xp, x)

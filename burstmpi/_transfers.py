@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["Transfers", "to_host", "to_device", "copied_to_host", "copied_to_device", "waited", "synchronize", "snapshot", "counting"]
+__all__ = ["Transfers", "to_host", "to_device", "copied_to_host", "copied_to_device", "waited", "synchronize", "snapshot", "counting", "Staging"]
 
 
 @dataclass
@@ -76,6 +76,21 @@ def to_device(xp, a):
     if xp is not np and isinstance(a, np.ndarray):
         _add(h2d=1, h2d_bytes=int(a.nbytes))
     return xp.asarray(a)
+
+
+class Staging:
+    """Arrays of ``xp`` handed to code that moves arrays of ``on`` (an all-to-all over MPI
+    moves host arrays): ``out`` copies to the host and ``back`` to ``xp`` where the two
+    differ, counted; where they agree (NumPy, or CuPy over NCCL) both pass arrays through."""
+
+    def __init__(self, xp, on):
+        self.xp, self.staged = xp, on is not xp
+
+    def out(self, x):
+        return to_host(x) if self.staged else x
+
+    def back(self, x):
+        return to_device(self.xp, x) if self.staged else x
 
 
 def copied_to_host(nbytes):

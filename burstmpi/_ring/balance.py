@@ -28,7 +28,7 @@ two-level ring, head parallelism and the GPU transports unchanged.
 
 import numpy as np
 
-from .._transfers import to_device, to_host
+from .._transfers import Staging
 from .._transport.alltoall import TokenExchange
 from .._transport.mpi import MPITransport
 
@@ -119,21 +119,15 @@ class Mover:
 
     def __init__(self, exchange, xp):
         self.exchange, self.xp = exchange, xp
-        self._staged = exchange.xp is not xp
+        self._host = Staging(xp, exchange.xp)
 
     def forth(self, x, axis=1):
         """``x`` (its tokens on ``axis``) in the caller's rows to the balanced layout's."""
-        return self._back_to(self.exchange.forth(self._out(x), axis))
+        return self._host.back(self.exchange.forth(self._host.out(x), axis))
 
     def back(self, y, axis=1):
         """``y`` in the balanced layout's rows back to the caller's."""
-        return self._back_to(self.exchange.back(self._out(y), axis))
-
-    def _out(self, x):
-        return to_host(x) if self._staged else x
-
-    def _back_to(self, x):
-        return to_device(self.xp, x) if self._staged else x
+        return self._host.back(self.exchange.back(self._host.out(y), axis))
 
     def count(self, stats, nodes):
         """Add the exchange's bytes to a phase's ``PhaseStats`` (those to other nodes too)."""
