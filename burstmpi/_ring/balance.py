@@ -14,7 +14,9 @@ Which layout: every candidate's exact pair matrix (``Geometry.pairs``: windows, 
 documents included) goes to the performance model with the exchange's bytes
 (``model.balance``), and the fastest predicted wins where it beats the caller's layout by
 ``GAIN``. Zigzag is balanced for causal masks, striped for most windows (and runs every
-ring step); neither for every mask, so the pairs decide, not a rule. The plan's ``balance``
+ring step); neither for every mask, so the pairs decide, not a rule. A layout whose ranks'
+pairs are already within ``GAIN`` of even is kept without asking (``even``): no candidate
+could gain, and the model's collective and the candidates' matrices are spared. The plan's ``balance``
 setting forces a layout or turns this off; ``last_stats.ring_layout`` says what ran.
 
 Schemes weighed and left (why: ``docs/design.md``): DistFlashAttn's helper
@@ -32,7 +34,7 @@ from .._transfers import Staging
 from .._transport.alltoall import TokenExchange
 from .._transport.mpi import MPITransport
 
-__all__ = ["CANDIDATES", "GAIN", "NOMINAL_GBPS", "pair_matrix", "moved_rows", "Balancing", "Mover"]
+__all__ = ["CANDIDATES", "GAIN", "NOMINAL_GBPS", "pair_matrix", "even", "moved_rows", "Balancing", "Mover"]
 
 CANDIDATES = ("zigzag", "striped")  # in order of preference where they tie
 GAIN = 0.03  # the predicted time a re-shard must save, as a fraction of the caller's layout's
@@ -48,6 +50,15 @@ def pair_matrix(geo):
     """P x P visible pairs of ``geo``: [holder, owner] = holder's queries against owner's keys."""
     P = geo.layout.nranks
     return np.array([[geo.pairs(h, o) for o in range(P)] for h in range(P)], dtype=np.int64)
+
+
+def even(pairs, gain=GAIN):
+    """Is every rank's work within ``gain`` of the mean, its queries' pairs (the forward's and
+    "ring"'s work) and its keys' ("burst")? Then a balanced layout, which at best computes
+    the mean, cannot save ``gain`` of the compute, and the call stays on its layout without the
+    model: windows, masks and zigzag or striped causal calls."""
+    mean = pairs.sum() / len(pairs)
+    return max(pairs.sum(axis=1).max(), pairs.sum(axis=0).max()) <= (1 + gain) * mean
 
 
 def moved_rows(source, target):
@@ -84,13 +95,18 @@ class Balancing:
             return None
         got = self._chosen.get(geo)
         if got is None:
-            others = {n: geometry_of(n) for n in CANDIDATES if n != caller}
-            cands = {caller: (pair_matrix(geo), None)}
-            cands.update({n: (pair_matrix(g), (moved_rows(geo.layout, g.layout), moved_rows(g.layout, geo.layout)))
-                          for n, g in others.items()})
+            mine = pair_matrix(geo)
+            if even(mine):  # no re-shard can save GAIN: the model (and its collective) not asked
+                got = (caller, None)
+            else:
+                others = {n: geometry_of(n) for n in CANDIDATES if n != caller}
+                cands = {caller: (mine, None)}
+                cands.update({n: (pair_matrix(g), (moved_rows(geo.layout, g.layout), moved_rows(g.layout, geo.layout)))
+                              for n, g in others.items()})
+                got = choose(cands, caller)
             if len(self._chosen) >= 32:
                 self._chosen.pop(next(iter(self._chosen)))
-            got = self._chosen[geo] = choose(cands, caller)
+            self._chosen[geo] = got
         name = got[0]
         return None if name == caller else geometry_of(name)
 

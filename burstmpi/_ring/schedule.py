@@ -24,6 +24,8 @@ contiguous forward sends K/V "up" the ring, a burst backward sends Q "down" it, 
 stop early. Ties go to +1.
 """
 
+import threading
+
 import numpy as np
 
 from ..masks._intervals import count_visible
@@ -83,28 +85,43 @@ def interaction_matrix(layout, mask):
     return a
 
 
-def _moves_on(needs, owner, t, direction):
-    """Does a holder after step t compute with ``owner``'s packet?"""
-    P = needs.shape[0]
-    return any(needs[(owner + direction * s) % P, owner] for s in range(t + 1, P))
+class _Routes:
+    """Where each packet goes in a ring of ``needs`` (holder, owner) with packets moving
+    ``direction``, for every owner and step at once: ``later[o, t]``, does a holder after
+    step t compute with owner o's packet (it moves on); ``started[o, t]``, has a holder
+    other than the owner computed with it by step t (its partial exists); ``last[o]``, the
+    last step at which one does (0: none). O(P^2) in arrays; a scalar rule per (owner,
+    step) would make the schedule O(P^3) and the model's simulation, a schedule per rank,
+    O(P^4): 12 s at 64 ranks."""
+
+    def __init__(self, needs, direction):
+        P = needs.shape[0]
+        owner, step = np.arange(P)[:, None], np.arange(P)[None, :]
+        seen = np.asarray(needs, bool)[(owner + direction * step) % P, owner]  # [o, s]: holder at step s computes
+        seen[:, 0] = False  # the owner itself: not a holder the packet travels to
+        after = np.logical_or.accumulate(seen[:, ::-1], axis=1)[:, ::-1]  # any at steps >= s
+        self.later = np.concatenate([after[:, 1:], np.zeros((P, 1), bool)], axis=1)
+        self.started = np.logical_or.accumulate(seen, axis=1)
+        self.last = np.where(seen.any(axis=1), P - 1 - np.argmax(seen[:, ::-1], axis=1), 0)
+        # Sends of each owner's partial: one per step from its first contributor to its
+        # last (the last one's goes home).
+        self.hops = (self.started & (step <= self.last[:, None])).sum(axis=1)
 
 
-def _started(needs, owner, t, direction):
-    """Has a holder other than the owner computed with it by step t (a partial exists)?"""
-    P = needs.shape[0]
-    return any(needs[(owner + direction * s) % P, owner] for s in range(1, t + 1))
+_ROUTES, _ROUTES_KEPT, _ROUTES_LOCK = {}, 16, threading.Lock()
 
 
-def _last(needs, owner, direction):
-    """The last step at which a holder other than the owner computes with its packet (0: none)."""
-    P = needs.shape[0]
-    return max((s for s in range(1, P) if needs[(owner + direction * s) % P, owner]), default=0)
-
-
-def _partial_hops(needs, owner, direction):
-    """Sends of the owner's partial: one per step from its first contributor to its last
-    (the last one's goes home)."""
-    return sum(_started(needs, owner, t, direction) for t in range(1, _last(needs, owner, direction) + 1))
+def _routes(needs, direction):
+    """The ``_Routes`` of ``needs`` (kept: the model builds a schedule per rank of one
+    matrix; a lock, as plans may be made in several threads)."""
+    key = (needs.shape, np.packbits(np.asarray(needs, bool)).tobytes(), direction)
+    with _ROUTES_LOCK:
+        got = _ROUTES.get(key)
+        if got is None:
+            if len(_ROUTES) >= _ROUTES_KEPT:
+                _ROUTES.pop(next(iter(_ROUTES)))
+            got = _ROUTES[key] = _Routes(needs, direction)
+    return got
 
 
 def ring_bytes(needs, direction, packet_bytes, partial_bytes):
@@ -115,11 +132,15 @@ def ring_bytes(needs, direction, packet_bytes, partial_bytes):
     reach their last readers: ``geometry.Geometry.route``); ``partial_bytes``: bytes of a
     partial, or ``f(owner, direction)``."""
     P = needs.shape[0]
-    pb = packet_bytes if callable(packet_bytes) else (lambda o, t, d: packet_bytes)
-    qb = partial_bytes if callable(partial_bytes) else (lambda o, d: partial_bytes)
-    return sum(sum(pb(o, t + 1, direction) for t in range(P - 1) if _moves_on(needs, o, t, direction))
-               + qb(o, direction) * _partial_hops(needs, o, direction)
-               for o in range(P))
+    r = _routes(needs, direction)
+    moves = r.later[:, :P - 1]  # [o, t]: o's packet sent after step t
+    if callable(packet_bytes):
+        sent = sum(packet_bytes(int(o), int(t) + 1, direction) for o, t in zip(*np.nonzero(moves)))
+    else:
+        sent = packet_bytes * int(moves.sum())
+    if callable(partial_bytes):
+        return sent + sum(partial_bytes(o, direction) * int(r.hops[o]) for o in range(P))
+    return sent + partial_bytes * int(r.hops.sum())
 
 
 class Schedule:
@@ -141,17 +162,18 @@ class Schedule:
         own = [(rank - d * t) % P for t in range(P)]
         self.owners = own
         self.compute = [bool(needs[rank, own[t]]) for t in range(P)]
+        r = _routes(needs, d)
         # Packet sent after step t (t < P-1), and the one received for step t+1.
-        self.send = [_moves_on(needs, own[t], t, d) for t in range(P - 1)]
-        self.recv = [_moves_on(needs, own[t + 1], t, d) for t in range(P - 1)]
+        self.send = [bool(r.later[own[t], t]) for t in range(P - 1)]
+        self.recv = [bool(r.later[own[t + 1], t]) for t in range(P - 1)]
         # Gradient partial sent after step t (t >= 1), to the next holder or, from the last
         # contributor, home (``partial_to``); received at step t (t >= 2) from the previous
         # holder. This rank's own partial comes home from rank ``home_from`` with the
         # transfers of group ``home_at`` (the step after its last contributor's).
-        last = [_last(needs, o, d) for o in range(P)]
-        self.partial_send = [1 <= t <= last[own[t]] and _started(needs, own[t], t, d) for t in range(P)]
+        last = [int(x) for x in r.last]
+        self.partial_send = [1 <= t <= last[own[t]] and bool(r.started[own[t], t]) for t in range(P)]
         self.partial_to = [own[t] if t == last[own[t]] else (rank + d) % P for t in range(P)]
-        self.partial_recv = [2 <= t <= last[own[t]] and _started(needs, own[t], t - 1, d) for t in range(P)]
+        self.partial_recv = [2 <= t <= last[own[t]] and bool(r.started[own[t], t - 1]) for t in range(P)]
         self.partial_home = P > 1 and last[rank] > 0
         self.home_at = last[rank] + 1
         self.home_from = (rank + d * last[rank]) % P

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..masks._intervals import Bounds, Mask
 from ..masks._layout import Layout
-from .._ring.balance import CANDIDATES, GAIN, moved_rows
+from .._ring.balance import CANDIDATES, GAIN, even, moved_rows
 from .._ring.schedule import pair_matrix
 from .flat import _phase, dtypes, predict
 
@@ -68,8 +68,12 @@ def choose(shape, machine, P, caller, candidates, node_of=None, gain=GAIN):
     name is ``caller``). A re-shard is taken where its predicted forward + backward is
     ``gain`` below the caller's layout's; among those, the fastest, where ties (within 1 %,
     the model's own resolution) go to the first in the order given: zigzag moves fewer rows
-    from a contiguous layout and skips more ring steps than striped."""
+    from a contiguous layout and skips more ring steps than striped. A caller's layout whose
+    ranks' pairs are within ``gain`` of even is kept (``_ring.balance.even``: the runtime
+    asks no further)."""
     pred = {name: predict_layout(shape, machine, P, pairs, rows, node_of) for name, (pairs, rows) in candidates.items()}
+    if even(candidates[caller][0], gain):
+        return caller, pred
     total = {name: p[0] + p[1] for name, p in pred.items()}
     others = [n for n in candidates if n != caller]
     fastest = min((total[n] for n in others), default=None)

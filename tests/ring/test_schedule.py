@@ -9,7 +9,7 @@ from burstmpi import reference as ref
 from burstmpi.masks._layout import Layout
 from burstmpi.masks._intervals import Bounds, Mask
 from burstmpi._ring.flat import bytes_per_step
-from burstmpi._ring.schedule import Schedule, interaction_matrix
+from burstmpi._ring.schedule import Schedule, interaction_matrix, ring_bytes
 from burstmpi._transport.nodes import nodes
 
 from conftest import COMM, NRANKS, RANK
@@ -48,6 +48,39 @@ def test_every_send_meets_a_receive(P, layout, causal, window, mode):
             # A rank computes only on a packet that reached it.
             if t > 0 and s.compute[t]:
                 assert s.recv[t - 1], f"rank {r} computes at step {t} on a packet it never received"
+
+
+def test_the_schedule_follows_its_rules_on_any_matrix():
+    """The schedule's arrays (computed for every owner and step at once) against the rules
+    of ``_ring/schedule.py`` read one owner and step at a time, on random, banded and
+    triangular matrices, both directions, and ``ring_bytes`` with sizes that vary."""
+    rng = np.random.default_rng(7)
+    for trial in range(120):
+        P = int(rng.integers(1, 10))
+        needs = [rng.random((P, P)) < rng.random(), np.tril(np.ones((P, P), bool)),
+                 abs(np.subtract.outer(np.arange(P), np.arange(P))) <= rng.integers(0, P)][trial % 3]
+        needs = needs.T if trial % 2 else needs
+        for d in (1, -1):
+            seen = lambda o, s: bool(needs[(o + d * s) % P, o])  # the holder at step s computes
+            later = lambda o, t: any(seen(o, s) for s in range(t + 1, P))
+            started = lambda o, t: any(seen(o, s) for s in range(1, t + 1))
+            last = [max((s for s in range(1, P) if seen(o, s)), default=0) for o in range(P)]
+            hops = [sum(started(o, t) for t in range(1, last[o] + 1)) for o in range(P)]
+            size = lambda o, t, d: 3 * o + t + 7
+            assert ring_bytes(needs, d, 10, 4) == sum(10 * later(o, t) for o in range(P) for t in range(P - 1)) + 4 * sum(hops)
+            assert ring_bytes(needs, d, size, lambda o, d: o + 1) == (
+                sum(size(o, t + 1, d) for o in range(P) for t in range(P - 1) if later(o, t))
+                + sum((o + 1) * hops[o] for o in range(P)))
+            for r in range(P):
+                sc = Schedule(needs, r, 10, 4, direction=d)
+                own = sc.owners
+                assert own == [(r - d * t) % P for t in range(P)]
+                assert sc.send == [later(own[t], t) for t in range(P - 1)]
+                assert sc.recv == [later(own[t + 1], t) for t in range(P - 1)]
+                assert sc.partial_send == [1 <= t <= last[own[t]] and started(own[t], t) for t in range(P)]
+                assert sc.partial_recv == [2 <= t <= last[own[t]] and started(own[t], t - 1) for t in range(P)]
+                assert (sc.partial_home, sc.home_at, sc.home_from) == (P > 1 and last[r] > 0, last[r] + 1,
+                                                                       (r + d * last[r]) % P)
 
 
 def test_causal_contiguous_forward_skips_and_stops_early():
