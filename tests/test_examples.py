@@ -33,7 +33,8 @@ SAME = "the same bits on every rank: True"
 # The names examples may import: what a user can rely on across releases.
 PUBLIC = {"burstmpi", "burstmpi.masks", "burstmpi.reference", "burstmpi.torch", "burstmpi.jax"}
 # Examples that measure internals on purpose, and why.
-INTERNAL = {"mask_planning.py": "times the planner (burstmpi._ring.geometry), which runs inside a plan's first call"}
+INTERNAL = {"mask_planning.py": "times the planner (burstmpi._ring.geometry), which runs inside a plan's first call",
+            "balance_choice.py": "times the balance choice (burstmpi._ring.balance), which runs inside a plan's first call"}
 
 pytestmark = [
     pytest.mark.skipif(NRANKS > 1 or os.environ.get("BURSTMPI_UNDER_MPIEXEC") == "1",
@@ -219,6 +220,17 @@ def test_mask_planning():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     times = [float(x) for x in re.findall(r"planned in ([0-9.]+) s", proc.stdout)]
     assert len(times) == 2 and max(times) < 60, proc.stdout
+
+
+def test_balance_choice():
+    """examples/balance_choice.py small (one process): a row per size, each choosing a
+    layout, zigzag for contiguous causal at 16K tokens and 8 ranks."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "balance_choice.py"), "2,8", "4096,16384"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = re.findall(r"^ +(\d+) +(\d+) +\d+ ms +\d+ ms +\d+ ms +(\w+)$", proc.stdout, re.M)
+    assert len(rows) == 4 and ("8", "16384", "zigzag") in rows, proc.stdout
 
 
 def test_slurm_job_script(tmp_path):
