@@ -16,8 +16,9 @@ documents included) goes to the performance model with the exchange's bytes
 ``GAIN``. Zigzag is balanced for causal masks, striped for most windows (and runs every
 ring step); neither for every mask, so the pairs decide, not a rule. A layout whose ranks'
 pairs are already within ``GAIN`` of even is kept without asking (``even``): no candidate
-could gain, and the model's collective and the candidates' matrices are spared. The plan's ``balance``
-setting forces a layout or turns this off; ``last_stats.ring_layout`` says what ran.
+could gain, and the model's collective and the candidates' matrices are spared. The
+plan's ``balance`` setting forces a layout or turns this off; ``last_stats.ring_layout``
+says what ran.
 
 Schemes weighed and left (why: ``docs/design.md``): DistFlashAttn's helper
 schedule (idle ranks compute query blocks of busy ones and return O and the statistics) needs
