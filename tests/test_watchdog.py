@@ -88,6 +88,22 @@ def test_a_rank_stuck_inside_the_ring_is_named_by_its_neighbour():
                for line in lines), lines
 
 
+def test_a_rank_stuck_in_the_balancing_exchange_is_named():
+    """Contiguous shards re-sharded to zigzag (``balance``): rank 1 never sends its rows in
+    the second call's all-to-all, and a rank that waits for them names it and the exchange."""
+    lines, _ = _ends_by_watchdog(f"""
+        from burstmpi._transport.alltoall import TokenExchange
+        def call():
+            return burstmpi.attention(q, q, q, causal=True, layout="contiguous", balance="zigzag", timeout={TIMEOUT})
+        call()
+        if rank == 1:
+            TokenExchange.forth = lambda *a, **k: time.sleep(600)
+        call()
+    """)
+    assert any("in BurstAttention.forward" in line and "the all-to-all of the causal balancing" in line
+               and "rank 1 (" in line for line in lines), lines
+
+
 def test_an_uncaught_exception_on_one_rank_ends_the_job_without_mpi4py_runner():
     """A script run without ``-m mpi4py`` whose rank 1 raises: that rank's traceback, the
     watchdog's line, and the job ends at once with exit 1 (no deadline to wait for)."""

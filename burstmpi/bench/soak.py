@@ -6,9 +6,10 @@
 Every round makes a communicator (a duplicate of the world, or every other round a split
 of it into two halves), and on it: the functional API (``attention`` and
 ``attention_backward``) with one of the option sets of ``OPTION_SETS`` in turn (masks,
-layouts, dtypes, GQA, backward modes, lengths), a ``BurstAttention`` made, used and
-released, a ``KVCache`` prefilled and decoding, the framework adapters' training steps
-where torch or JAX is installed (``--adapters``), and then frees the communicator. Every
+layouts, dtypes, GQA, backward modes, lengths, documents re-sharded for balance), a
+``BurstAttention`` made, used and released, a ``KVCache`` prefilled and decoding, the
+framework adapters' training steps where torch or JAX is installed (``--adapters``), and
+then frees the communicator. Every
 ``--check-every`` rounds the results are checked against float64 (``burstmpi.reference``).
 
 Every ``--report`` seconds rank 0 prints a line: the round, resident memory (the largest
@@ -64,7 +65,7 @@ OPTION_SETS = [
     dict(causal=True, layout="zigzag", dtype="bfloat16"),
     dict(causal=True, layout="striped", softmax_scale=0.2),
     dict(causal=False, layout="zigzag", kv_heads=1, bwd_comm="ring"),
-    dict(causal=True, layout="contiguous", cu_seqlens=True),
+    dict(causal=True, layout="contiguous", cu_seqlens=True, balance="zigzag"),  # the re-shard's exchange, irregular
 ]
 LENGTHS = (37, 64, 91)  # tokens per rank of the world: odd and even, different plans' shapes
 HEADS, HEAD_DIM = 4, 16
