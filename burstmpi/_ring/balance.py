@@ -79,7 +79,7 @@ class Balancing:
     def __init__(self, comm):
         self.comm = comm
         self._last = None  # (source layout, target layout, transport, xp, Mover)
-        self._chosen = {}  # the caller's geometry (identity: geometries are cached) -> (target, predictions)
+        self._chosen = {}  # the caller's geometry (identity: geometries are cached) -> the layout's name
 
     def target(self, setting, geo, geometry_of, choose):
         """The geometry the ring runs on for a call of geometry ``geo`` (the caller's layout),
@@ -98,18 +98,17 @@ class Balancing:
         if got is None:
             mine = pair_matrix(geo)
             if even(mine):  # no re-shard can save GAIN: the model (and its collective) not asked
-                got = (caller, None)
+                got = caller
             else:
                 others = {n: geometry_of(n) for n in CANDIDATES if n != caller}
                 cands = {caller: (mine, None)}
                 cands.update({n: (pair_matrix(g), (moved_rows(geo.layout, g.layout), moved_rows(g.layout, geo.layout)))
                               for n, g in others.items()})
-                got = choose(cands, caller)
+                got = choose(cands, caller)[0]
             if len(self._chosen) >= 32:
                 self._chosen.pop(next(iter(self._chosen)))
             self._chosen[geo] = got
-        name = got[0]
-        return None if name == caller else geometry_of(name)
+        return None if got == caller else geometry_of(got)
 
     def mover(self, call, xp):
         """The ``Mover`` of ``call`` (``call.source``: the caller's geometry; ``call.geometry``

@@ -9,8 +9,8 @@ of it into two halves), and on it: the functional API (``attention`` and
 layouts, dtypes, GQA, backward modes, lengths, documents re-sharded for balance), a
 ``BurstAttention`` made, used and released, a ``KVCache`` prefilled and decoding, the
 framework adapters' training steps where torch or JAX is installed (``--adapters``), and
-then frees the communicator. Every
-``--check-every`` rounds the results are checked against float64 (``burstmpi.reference``).
+then frees the communicator. Every ``--check-every`` rounds the results are checked against
+float64 (``burstmpi.reference``).
 
 Every ``--report`` seconds rank 0 prints a line: the round, resident memory (the largest
 rank's), the shared memory the job maps (``/dev/shm``, the largest rank's) and the files
