@@ -188,7 +188,7 @@ def test_slurm_gpu_script_completes_on_cpu_nodes(pair, tmp_path):
 
 def test_slurm_nightly_regression_fails_the_job(pair, tmp_path):
     """``sbatch hostfiles/nightly-regression.sh`` twice: the first night records its
-    baseline (COMPLETED 0:0); with that baseline made 30 % faster than it was, the next
+    baseline (COMPLETED 0:0); with that baseline made 4 times faster than it was, the next
     night is a regression: sacct says FAILED 3:0 (the bench's regression code), and the
     JUnit file fails exactly the rows the bench names as REGRESSED."""
     out = tmp_path / "nightly"
@@ -199,7 +199,9 @@ def test_slurm_nightly_regression_fails_the_job(pair, tmp_path):
     assert first.out.splitlines()[-1] == "# nightly: OK", first.out[-2000:]
     baseline = json.loads((out / "baseline.json").read_text())
     for row in baseline["rows"]:
-        row.update({k: 0.7 * v for k, v in row.items() if k.endswith("_ms") and isinstance(v, (int, float))})
+        # 4x, not 30 %: these rows last milliseconds, and one CI run's second night ran 31 %
+        # faster than its first, which hid a 30 % cut (the job COMPLETED).
+        row.update({k: 0.25 * v for k, v in row.items() if k.endswith("_ms") and isinstance(v, (int, float))})
     (out / "baseline.json").write_text(json.dumps(baseline))
 
     pair.wait_idle(PAIR, timeout=60)
